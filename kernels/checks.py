@@ -1,0 +1,62 @@
+"""Argument checks shared by the launchers. Each message names the input and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.config import interpreted
+from kernels.segments import SegmentLayout
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    check(t.dtype in FLOAT_DTYPES, f"{name} has dtype {t.dtype}; expected fp16, bf16 or fp32")
+    check(
+        not (interpreted() and t.dtype == torch.bfloat16),
+        f"{name} is bf16 but TRITON_INTERPRET=1: the interpreter computes tl.dot on bf16 wrongly."
+        " Use fp16/fp32 on CPU, or the torch backend",
+    )
+
+
+def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, what: str) -> None:
+    check(
+        layout is not None,
+        f"{what}: no LoRA batch is prepared. Call LoRAManager.prepare_lora_batch(forward_batch)"
+        " before the forward, or skip LoRA when backend.batch_info is None",
+    )
+    check(
+        layout.num_rows == rows,
+        f"{what}: the prepared LoRA metadata covers {layout.num_rows} rows but the input has "
+        f"{rows}. The metadata is stale: prepare (or reset) the LoRA batch for this forward",
+    )
+    for name in ("token_slots", "permutation", "block_slots", "block_starts", "block_ends"):
+        t = getattr(layout, name)
+        check(
+            t.dtype == torch.int32 and t.device == device and t.is_contiguous(),
+            f"{what}: layout.{name} must be contiguous int32 on {device}, got {t.dtype} on "
+            f"{t.device}",
+        )
+
+
+def check_tables(weights_ranks: torch.Tensor, scalings: torch.Tensor | None, num_slots: int,
+                 num_slices: int, device: torch.device) -> None:
+    want = (num_slots + 1, num_slices)
+    check(
+        weights_ranks.dtype == torch.int32 and tuple(weights_ranks.shape) == want,
+        f"ranks must be int32 of shape {want} (slots + neutral slot, slices), got "
+        f"{weights_ranks.dtype} {tuple(weights_ranks.shape)}",
+    )
+    check(weights_ranks.device == device, f"ranks is on {weights_ranks.device}, expected {device}")
+    if scalings is not None:
+        check(
+            scalings.dtype == torch.float32 and tuple(scalings.shape) == want,
+            f"scalings must be float32 of shape {want}, got {scalings.dtype} "
+            f"{tuple(scalings.shape)}",
+        )
+        check(scalings.device == device, f"scalings is on {scalings.device}, expected {device}")

@@ -1,0 +1,57 @@
+"""Launch shapes chosen from tensor shapes only (never from per-batch values), so an eager call
+and a captured graph of the same bucket make the same choice."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs_wanted(device: torch.device) -> int:
+    """Enough programs to cover every SM a few times over (decode kernels are latency-bound)."""
+    if device.type != "cuda":
+        return 4
+    return 4 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def rank_block(max_rank: int) -> int:
+    return max(16, triton.next_power_of_2(max_rank))
+
+
+def shrink_k_block(block_r: int, k: int) -> int:
+    cap = 256 if block_r <= 32 else 128
+    return max(16, min(cap, triton.next_power_of_2(k)))
+
+
+def shrink_split(
+    k: int, block_k: int, num_programs: int, device: torch.device, split_k: int | None
+) -> tuple[int, int]:
+    """(splits, k_per_split): split K until the grid covers the device, each split a multiple
+    of ``block_k``. ``split_k`` forces a split count (tests)."""
+    k_blocks = -(-k // block_k)
+    if split_k is None:
+        split_k = -(-programs_wanted(device) // max(1, num_programs))
+    split_k = max(1, min(split_k, k_blocks))
+    k_per_split = -(-k_blocks // split_k) * block_k
+    return -(-k // k_per_split), k_per_split
+
+
+def expand_n_block(max_width: int) -> int:
+    return max(16, min(128, triton.next_power_of_2(max_width)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise run through tf32 on the GPU (~1e-3 relative error).
+    return "ieee" if dtype == torch.float32 else "tf32"

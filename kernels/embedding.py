@@ -1,0 +1,85 @@
+"""LoRA-A for token embeddings is a gather: ``a[row, :r] = A_emb[slot, token_id[row], :r]``
+(``A_emb`` stores PEFT's ``lora_embedding_A`` transposed, so one row is contiguous).
+Its output has the shrink kernel's partials shape (one split) and feeds ``lora_expand``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import config
+from kernels.checks import check, check_layout, check_tables
+from kernels.segments import SegmentLayout
+from kernels.weights import LoRAWeights
+
+
+@triton.jit
+def _embedding_gather_kernel(
+    ids_ptr, a_ptr, out_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
+    stride_as, stride_av, stride_ar, stride_om, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    slot = tl.load(blk_slot_ptr + blk)
+    start = tl.load(blk_start_ptr + blk)
+    end = tl.load(blk_end_ptr + blk)
+    rank = tl.load(ranks_ptr + slot)
+    if (rank == 0) | (start >= end):
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    ids = tl.load(ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = m_mask[:, None] & (offs_r < rank)[None, :]
+    a = tl.load(
+        a_ptr + slot.to(tl.int64) * stride_as + ids[:, None] * stride_av
+        + offs_r[None, :] * stride_ar,
+        mask=mask, other=0.0,
+    )
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_r[None, :] * stride_or,
+             a.to(tl.float32), mask=mask)
+
+
+@torch.library.custom_op("multilora::embedding_gather", mutates_args=())
+def _embedding_op(
+    token_ids: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
+    permutation: torch.Tensor, block_slots: torch.Tensor, block_starts: torch.Tensor,
+    block_ends: torch.Tensor, block_m: int,
+) -> torch.Tensor:
+    t = token_ids.shape[0]
+    max_rank = lora_a.shape[2]
+    out = torch.empty(1, t, max_rank, dtype=torch.float32, device=token_ids.device)
+    if t == 0 or block_slots.shape[0] == 0:
+        return out
+    _embedding_gather_kernel[(block_slots.shape[0],)](
+        token_ids, lora_a, out[0], permutation, block_slots, block_starts, block_ends, ranks,
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), out.stride(1), out.stride(2),
+        BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank),
+    )
+    return out
+
+
+@_embedding_op.register_fake
+def _(token_ids, lora_a, ranks, permutation, block_slots, block_starts, block_ends, block_m):
+    return token_ids.new_empty(1, token_ids.shape[0], lora_a.shape[2], dtype=torch.float32)
+
+
+def lora_embedding_shrink(
+    token_ids: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None
+) -> torch.Tensor:
+    """fp32 ``[1, rows, max_rank]``, defined where the column is below the slot's rank."""
+    check_layout(layout, token_ids.shape[0] if token_ids.dim() == 1 else -1, token_ids.device,
+                 "lora_embedding_shrink")
+    check(weights.is_embedding, "lora_embedding_shrink needs weights from "
+          "LoRAWeights.for_embedding")
+    check(token_ids.dtype in (torch.int32, torch.int64) and token_ids.is_contiguous(),
+          f"token_ids must be contiguous int32/int64, got {token_ids.dtype}")
+    check(weights.lora_a.device == token_ids.device,
+          f"lora_a is on {weights.lora_a.device} but token_ids is on {token_ids.device}")
+    check_tables(weights.ranks, None, weights.num_slots, 1, token_ids.device)
+    return _embedding_op(
+        token_ids, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,
+        layout.block_starts, layout.block_ends, layout.block_m,
+    )

@@ -1,0 +1,183 @@
+"""Which rows belong to which adapter slot: the per-batch layout every LoRA kernel reads.
+
+Rows are grouped by slot through a permutation (a stable sort of requests by slot), the groups
+("segments") are cut into blocks of at most ``block_m`` rows, and each kernel program handles
+one block. Kernels read only device tensors; the grid is the length of the block table, never a
+per-batch count, so a layout that lives in static buffers can be replayed inside a CUDA graph.
+
+Invariant: every block holds rows of exactly one slot, and unused blocks are empty
+(``start == end``) and point at the neutral slot, whose ranks are zero in every module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Host-side layout of one batch, built before anything touches the device."""
+
+    token_slots: list[int]
+    permutation: list[int]
+    seg_bounds: list[int]
+    seg_slots: list[int]
+    blocks: list[tuple[int, int, int]]
+    block_m: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_slots)
+
+
+def max_blocks(num_rows: int, block_m: int, num_segments: int) -> int:
+    """Upper bound on blocks for ``num_rows`` rows split into at most ``num_segments`` groups."""
+    return -(-num_rows // block_m) + num_segments
+
+
+def plan_segments(
+    request_slots: Sequence[int],
+    request_lens: Sequence[int] | None = None,
+    *,
+    block_m: int,
+    skip_slot: int | None = None,
+) -> SegmentPlan:
+    """Group the rows of consecutive requests by slot.
+
+    ``request_lens[i]`` rows belong to request ``i`` (one row each when omitted: a decode batch).
+    Rows of ``skip_slot`` (the neutral slot) are kept in the permutation but get no block.
+    """
+    if block_m <= 0:
+        raise ValueError(f"block_m must be positive, got {block_m}")
+    lens = [1] * len(request_slots) if request_lens is None else list(request_lens)
+    if len(lens) != len(request_slots):
+        raise ValueError(
+            f"request_lens has {len(lens)} entries but request_slots has {len(request_slots)}"
+        )
+    starts, token_slots, row = [], [], 0
+    for slot, n in zip(request_slots, lens, strict=True):
+        if n < 0:
+            raise ValueError(f"request length must be >= 0, got {n}")
+        starts.append(row)
+        token_slots.extend([int(slot)] * n)
+        row += n
+    order = sorted(range(len(request_slots)), key=lambda i: request_slots[i])
+    permutation: list[int] = []
+    seg_bounds, seg_slots = [0], []
+    for i in order:
+        if lens[i] == 0:
+            continue
+        slot = int(request_slots[i])
+        if seg_slots and seg_slots[-1] == slot:
+            seg_bounds[-1] += lens[i]
+        else:
+            seg_slots.append(slot)
+            seg_bounds.append(seg_bounds[-1] + lens[i])
+        permutation.extend(range(starts[i], starts[i] + lens[i]))
+    blocks = []
+    for s, slot in enumerate(seg_slots):
+        if slot == skip_slot:
+            continue
+        for lo in range(seg_bounds[s], seg_bounds[s + 1], block_m):
+            blocks.append((slot, lo, min(lo + block_m, seg_bounds[s + 1])))
+    return SegmentPlan(token_slots, permutation, seg_bounds, seg_slots, blocks, block_m)
+
+
+@dataclass
+class SegmentLayout:
+    """Device view of a plan. All five tensors are int32 views of one buffer."""
+
+    token_slots: torch.Tensor
+    permutation: torch.Tensor
+    block_slots: torch.Tensor
+    block_starts: torch.Tensor
+    block_ends: torch.Tensor
+    block_m: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_slots.shape[0]
+
+    @staticmethod
+    def from_plan(plan: SegmentPlan, device: torch.device | str) -> SegmentLayout:
+        """Exact-size layout for an eager forward (one host-to-device copy)."""
+        t, nb = plan.num_rows, len(plan.blocks)
+        host = _pack(plan, t, nb, neutral_slot=0)
+        return _views(torch.tensor(host, dtype=torch.int32).to(device), t, nb, plan.block_m)
+
+
+def _pack(plan: SegmentPlan | None, rows: int, blocks: int, neutral_slot: int) -> list[int]:
+    n = 0 if plan is None else plan.num_rows
+    used = 0 if plan is None else len(plan.blocks)
+    if n > rows or used > blocks:
+        raise ValueError(
+            f"batch needs {n} rows and {used} blocks but the layout holds {rows} and {blocks}"
+        )
+    slots = ([] if plan is None else plan.token_slots) + [neutral_slot] * (rows - n)
+    perm = ([] if plan is None else plan.permutation) + list(range(n, rows))
+    table = [] if plan is None else plan.blocks
+    pad = blocks - used
+    return (
+        slots
+        + perm
+        + [b[0] for b in table] + [neutral_slot] * pad
+        + [b[1] for b in table] + [0] * pad
+        + [b[2] for b in table] + [0] * pad
+    )
+
+
+def _views(buf: torch.Tensor, rows: int, blocks: int, block_m: int) -> SegmentLayout:
+    sizes = [rows, rows, blocks, blocks, blocks]
+    parts = torch.split(buf[: sum(sizes)], sizes)
+    return SegmentLayout(*parts, block_m=block_m)
+
+
+class StaticSegmentLayout:
+    """Capacity-sized layout whose tensors never move: what a captured graph reads.
+
+    ``view(rows)`` gives the layout a graph of ``rows`` rows is captured with; ``write`` refreshes
+    the contents in place before a replay. Rows and blocks the batch does not use are set to
+    the neutral slot (rank 0 everywhere) and empty blocks, so nothing reads a previous batch.
+    """
+
+    def __init__(
+        self, max_rows: int, num_slots: int, block_m: int, neutral_slot: int, device
+    ) -> None:
+        self.max_rows, self.num_slots = max_rows, num_slots
+        self.block_m, self.neutral_slot = block_m, neutral_slot
+        cap = max_blocks(max_rows, block_m, num_slots)
+        self._buf = torch.zeros(2 * max_rows + 3 * cap, dtype=torch.int32, device=device)
+        self.write(None, max_rows)
+
+    def blocks_for(self, rows: int) -> int:
+        return max_blocks(rows, self.block_m, self.num_slots)
+
+    def view(self, rows: int) -> SegmentLayout:
+        self._check_rows(rows)
+        nb = self.blocks_for(rows)
+        sizes = [rows, rows, nb, nb, nb]
+        offsets = [0, self.max_rows, 2 * self.max_rows]
+        offsets += [offsets[2] + k * self.blocks_for(self.max_rows) for k in (1, 2)]
+        parts = [self._buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
+        return SegmentLayout(*parts, block_m=self.block_m)
+
+    def write(self, plan: SegmentPlan | None, rows: int) -> None:
+        """Copy ``plan`` (None: an idle batch) into the first ``rows`` rows, neutral elsewhere."""
+        self._check_rows(rows)
+        if plan is not None and plan.block_m != self.block_m:
+            raise ValueError(f"plan has block_m={plan.block_m}, layout needs {self.block_m}")
+        if plan is not None and (plan.num_rows > rows or len(plan.blocks) > self.blocks_for(rows)):
+            raise ValueError(
+                f"batch needs {plan.num_rows} rows and {len(plan.blocks)} blocks but the "
+                f"{rows}-row view holds {rows} and {self.blocks_for(rows)}"
+            )
+        cap_rows, cap_blocks = self.max_rows, self.blocks_for(self.max_rows)
+        host = _pack(plan, cap_rows, cap_blocks, self.neutral_slot)
+        self._buf.copy_(torch.tensor(host, dtype=torch.int32), non_blocking=False)
+
+    def _check_rows(self, rows: int) -> None:
+        if not 0 <= rows <= self.max_rows:
+            raise ValueError(f"rows={rows} is outside this layout's capacity 0..{self.max_rows}")

@@ -1,0 +1,128 @@
+"""Shrink: ``a[row, s*R:(s*R+r)] = x[row] @ A[slot, s*R:(s*R+r)]^T`` for every slice s.
+
+Grid: (block, slice, K split). Decode batches have few blocks and a long K, so K is split until
+the grid covers the device; each split writes its own fp32 partial sum, and the expand kernel
+adds the partials up while it loads them (no atomics, no zero-fill, deterministic).
+Output rows/columns a slot does not own (rank beyond the slot's rank, neutral rows) are left
+unwritten: the expand kernel never reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import config
+from kernels.checks import check, check_dtype, check_layout, check_tables
+from kernels.segments import SegmentLayout
+from kernels.weights import LoRAWeights
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, out_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
+    K,
+    stride_xm, stride_xk,
+    stride_as, stride_ar, stride_ak,
+    stride_os, stride_om, stride_or,
+    NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    sl = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(blk_slot_ptr + blk)
+    start = tl.load(blk_start_ptr + blk)
+    end = tl.load(blk_end_ptr + blk)
+    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
+    if (rank == 0) | (start >= end):
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a_rows = sl * MAX_RANK + offs_r
+    x_base = x_ptr + rows[:, None] * stride_xm
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_rows[None, :] * stride_ar
+    k0 = split * K_PER_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        offs_k = k0 + kk + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_base + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        a = tl.load(a_base + offs_k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :],
+                    other=0.0)
+        acc += tl.dot(x, a, input_precision=PRECISION)
+    out = out_ptr + split * stride_os + rows[:, None] * stride_om + a_rows[None, :] * stride_or
+    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@torch.library.custom_op("multilora::shrink", mutates_args=())
+def _shrink_op(
+    x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, permutation: torch.Tensor,
+    block_slots: torch.Tensor, block_starts: torch.Tensor, block_ends: torch.Tensor,
+    block_m: int, num_slices: int, splits: int, k_per_split: int, block_k: int,
+) -> torch.Tensor:
+    t, k = x.shape
+    out = torch.empty(splits, t, lora_a.shape[1], dtype=torch.float32, device=x.device)
+    max_rank = lora_a.shape[1] // num_slices
+    grid = (block_slots.shape[0], num_slices, splits)
+    if t == 0 or grid[0] == 0:
+        return out
+    _shrink_kernel[grid](
+        x, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
+        k,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_SLICES=num_slices, MAX_RANK=max_rank, K_PER_SPLIT=k_per_split,
+        BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k,
+        PRECISION=config.dot_precision(x.dtype),
+    )
+    return out
+
+
+@_shrink_op.register_fake
+def _(x, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
+      block_m, num_slices, splits, k_per_split, block_k):
+    return x.new_empty(splits, x.shape[0], lora_a.shape[1], dtype=torch.float32)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    weights: LoRAWeights,
+    layout: SegmentLayout | None,
+    split_k: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """Returns fp32 partial sums ``[splits, rows, num_slices * max_rank]``; their sum over the
+    first dimension is the shrink output (defined where the column is below the slot's rank).
+    ``split_k`` and ``block_k`` override the launch heuristics (tests, tuning)."""
+    check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, "lora_shrink")
+    check(x.dim() == 2 and x.stride(1) == 1, f"x must be 2-D with contiguous rows, got shape "
+          f"{tuple(x.shape)} strides {x.stride()}")
+    check_dtype("x", x)
+    a = weights.lora_a
+    check(not weights.is_embedding, "lora_shrink got embedding weights; use lora_embedding_shrink")
+    check(a.dtype == x.dtype, f"lora_a dtype {a.dtype} differs from x dtype {x.dtype}")
+    check(a.device == x.device, f"lora_a is on {a.device} but x is on {x.device}")
+    check(a.dim() == 3 and a.shape[2] == x.shape[1],
+          f"lora_a must be [slots, slices*max_rank, {x.shape[1]}], got {tuple(a.shape)}")
+    check(a.shape[1] == weights.num_slices * weights.max_rank,
+          f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
+          f"{weights.num_slices}*{weights.max_rank}")
+    check_tables(weights.ranks, None, weights.num_slots, weights.num_slices, x.device)
+    block_r = config.rank_block(weights.max_rank)
+    block_k = block_k or config.shrink_k_block(block_r, x.shape[1])
+    check(block_k >= 16 and block_k & (block_k - 1) == 0,
+          f"block_k must be a power of two >= 16, got {block_k}")
+    programs = layout.block_slots.shape[0] * weights.num_slices
+    splits, k_per_split = config.shrink_split(x.shape[1], block_k, programs, x.device, split_k)
+    return _shrink_op(
+        x, a, weights.ranks, layout.permutation, layout.block_slots, layout.block_starts,
+        layout.block_ends, layout.block_m, weights.num_slices, splits, k_per_split, block_k,
+    )

@@ -1,0 +1,97 @@
+"""Stacked adapter weights of one module: one row per pool slot, plus per-slot rank and scaling.
+
+Slot ``num_slots`` (the last row of ``ranks``/``scalings``) is the neutral slot: rank 0 in every
+slice, never written. Rows of requests without an adapter, padding rows and unused blocks point
+at it, and every kernel exits on rank 0 before it reads weights, so no weight row exists for it.
+Ranks and scalings are per slice: an adapter may target q_proj and v_proj but not k_proj, or
+give slices different ranks (PEFT ``rank_pattern``); slice s of a slot uses rows
+``[s * max_rank, s * max_rank + ranks[slot, s])`` of ``lora_a``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass
+class LoRAWeights:
+    lora_a: torch.Tensor
+    """Linear: [num_slots, num_slices * max_rank, in_features]. Embedding: [num_slots, vocab, max_rank]."""
+    lora_b: torch.Tensor
+    """[num_slots, out_features, max_rank]; slice s owns output columns slice_bounds[s]:[s+1]."""
+    ranks: torch.Tensor
+    """int32 [num_slots + 1, num_slices]."""
+    scalings: torch.Tensor
+    """float32 [num_slots + 1, num_slices]."""
+    slice_offsets: torch.Tensor
+    """int32 [num_slices + 1] on the device: output column where each slice starts."""
+    slice_bounds: tuple[int, ...]
+    max_rank: int
+    is_embedding: bool = False
+
+    @property
+    def num_slots(self) -> int:
+        return self.lora_a.shape[0]
+
+    @property
+    def neutral_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_bounds) - 1
+
+    @cached_property
+    def slice_widths(self) -> tuple[int, ...]:
+        b = self.slice_bounds
+        return tuple(b[i + 1] - b[i] for i in range(len(b) - 1))
+
+    @staticmethod
+    def for_linear(
+        num_slots: int,
+        in_features: int,
+        slice_widths: Sequence[int],
+        max_rank: int,
+        dtype: torch.dtype,
+        device,
+    ) -> LoRAWeights:
+        _check_sizes(num_slots, max_rank, slice_widths)
+        s = len(slice_widths)
+        a = torch.zeros(num_slots, s * max_rank, in_features, dtype=dtype, device=device)
+        b = torch.zeros(num_slots, sum(slice_widths), max_rank, dtype=dtype, device=device)
+        return LoRAWeights(a, b, *_tables(num_slots, slice_widths, device), max_rank)
+
+    @staticmethod
+    def for_embedding(
+        num_slots: int, vocab_size: int, hidden_size: int, max_rank: int, dtype, device
+    ) -> LoRAWeights:
+        _check_sizes(num_slots, max_rank, [hidden_size])
+        a = torch.zeros(num_slots, vocab_size, max_rank, dtype=dtype, device=device)
+        b = torch.zeros(num_slots, hidden_size, max_rank, dtype=dtype, device=device)
+        return LoRAWeights(
+            a, b, *_tables(num_slots, [hidden_size], device), max_rank, is_embedding=True
+        )
+
+
+def _check_sizes(num_slots: int, max_rank: int, slice_widths: Sequence[int]) -> None:
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if max_rank < 1:
+        raise ValueError(f"max_rank must be >= 1, got {max_rank}")
+    if not slice_widths or any(w <= 0 for w in slice_widths):
+        raise ValueError(f"slice widths must be positive, got {list(slice_widths)}")
+
+
+def _tables(num_slots: int, slice_widths: Sequence[int], device):
+    s = len(slice_widths)
+    ranks = torch.zeros(num_slots + 1, s, dtype=torch.int32, device=device)
+    scalings = torch.zeros(num_slots + 1, s, dtype=torch.float32, device=device)
+    bounds = [0]
+    for w in slice_widths:
+        bounds.append(bounds[-1] + int(w))
+    offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return ranks, scalings, offsets, tuple(bounds)

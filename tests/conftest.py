@@ -1,0 +1,34 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import kernels  # noqa: F401  (switches Triton to its interpreter when there is no GPU)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# The interpreter computes tl.dot on bf16 wrongly: bf16 is checked on the GPU only.
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+
+settings.register_profile(
+    "cpu", max_examples=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
+settings.register_profile(
+    "gpu", max_examples=150, deadline=None, suppress_health_check=list(HealthCheck)
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if ON_GPU else "cpu"))
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,101 @@
+"""Launchers refuse bad input with a message that names it, and refuse to run unprepared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, ON_GPU
+
+from kernels import (
+    LoRAWeights,
+    SegmentLayout,
+    StaticSegmentLayout,
+    lora_embedding_shrink,
+    lora_expand,
+    lora_shrink,
+    plan_segments,
+)
+
+
+def _setup(rows=5, k=32, dtype=torch.float32):
+    w = LoRAWeights.for_linear(2, k, [8, 4], 4, dtype, DEVICE)
+    w.lora_a.normal_()
+    w.lora_b.normal_()
+    w.ranks[:2] = 4
+    w.scalings[:2] = 1.0
+    layout = SegmentLayout.from_plan(plan_segments([0, 1, 2, 0, 1][:rows], block_m=16), DEVICE)
+    return w, layout, torch.randn(rows, k, dtype=dtype, device=DEVICE)
+
+
+def test_split_k_partials_sum_to_the_product():
+    w, layout, x = _setup(k=96)
+    p = lora_shrink(x, w, layout, split_k=3, block_k=16)
+    assert p.shape[0] == 3
+    whole = lora_shrink(x, w, layout, split_k=1, block_k=16)
+    rows = [0, 1, 3, 4]  # row 2 is the neutral slot: its output is undefined
+    assert torch.allclose(p.sum(0)[rows, :4], whole[0][rows, :4], rtol=1e-5, atol=1e-4)
+
+
+def test_unprepared_batch_is_refused_with_the_fix():
+    w, _, x = _setup()
+    with pytest.raises(ValueError, match="prepare_lora_batch"):
+        lora_shrink(x, w, None)
+
+
+def test_stale_metadata_for_other_row_count_is_refused():
+    w, layout, x = _setup()
+    with pytest.raises(ValueError, match="covers 5 rows but the input has 3"):
+        lora_shrink(x[:3], w, layout)
+    with pytest.raises(ValueError, match="stale"):
+        lora_expand(torch.zeros(1, 3, 8, device=DEVICE), w, torch.zeros(3, 12, device=DEVICE),
+                    layout)
+
+
+def test_dtype_and_shape_mismatches_name_the_input():
+    w, layout, x = _setup()
+    with pytest.raises(ValueError, match="lora_a dtype"):
+        lora_shrink(x.half(), w, layout)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        lora_shrink(torch.randn(5, 31, device=DEVICE), w, layout)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        lora_shrink(torch.randn(32, 5, device=DEVICE).t(), w, layout)
+    p = lora_shrink(x, w, layout)
+    with pytest.raises(ValueError, match="y must be"):
+        lora_expand(p, w, torch.zeros(5, 11, device=DEVICE), layout)
+    with pytest.raises(ValueError, match="partials must be"):
+        lora_expand(p[:, :, :4], w, torch.zeros(5, 12, device=DEVICE), layout)
+    with pytest.raises(ValueError, match="embedding"):
+        lora_embedding_shrink(torch.zeros(5, dtype=torch.long, device=DEVICE), w, layout)
+    with pytest.raises(ValueError, match="block_k"):
+        lora_shrink(x, w, layout, block_k=24)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's bf16 limitation exists on CPU only")
+def test_bf16_under_the_interpreter_is_refused():
+    w, layout, x = _setup(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        lora_shrink(x, w, layout)
+
+
+def test_static_layout_neutralises_rows_and_blocks_it_does_not_use():
+    static = StaticSegmentLayout(8, 3, 16, neutral_slot=2, device=DEVICE)
+    static.write(plan_segments([0, 1, 0, 1, 0, 1, 0, 1], block_m=16, skip_slot=2), 8)
+    static.write(plan_segments([1, 2], block_m=16, skip_slot=2), 4)
+    v = static.view(4)
+    assert v.token_slots.tolist() == [1, 2, 2, 2]
+    assert v.permutation.tolist() == [0, 1, 2, 3]
+    assert v.block_slots.tolist() == [1, 2, 2, 2]
+    assert (v.block_starts == v.block_ends)[1:].all()
+    full = static.view(8)
+    assert full.token_slots[4:].tolist() == [2, 2, 2, 2], "rows past the bucket too"
+    with pytest.raises(ValueError, match="capacity"):
+        static.view(9)
+    with pytest.raises(ValueError, match="holds"):
+        static.write(plan_segments([0] * 5, block_m=16), 4)
+
+
+def test_plan_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="request_lens"):
+        plan_segments([0, 1], [1], block_m=16)
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_segments([0], [-1], block_m=16)
