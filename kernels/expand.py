@@ -21,11 +21,11 @@ from kernels.weights import LoRAWeights
 def _expand_kernel(
     p_ptr, b_ptr, y_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
     scal_ptr, slice_off_ptr,
-    num_splits,
+    num_splits, max_rank,
     stride_ps, stride_pm, stride_pr,
     stride_bs, stride_bn, stride_br,
     stride_ym, stride_yn,
-    NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -56,7 +56,7 @@ def _expand_kernel(
     rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    p_cols = sl * MAX_RANK + offs_r
+    p_cols = sl * max_rank + offs_r
     p_base = p_ptr + rows[:, None] * stride_pm + p_cols[None, :] * stride_pr
     a = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(num_splits):
@@ -91,11 +91,11 @@ def _expand_op(
     _expand_kernel[grid](
         partials, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets,
-        partials.shape[0],
+        partials.shape[0], max_rank,
         partials.stride(0), partials.stride(1), partials.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
-        NUM_SLICES=num_slices, MAX_RANK=max_rank,
+        NUM_SLICES=num_slices,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=config.rank_block(max_rank),
         PRECISION=config.dot_precision(lora_b.dtype),
     )

@@ -22,11 +22,11 @@ from kernels.weights import LoRAWeights
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
-    K,
+    K, max_rank, k_per_split,
     stride_xm, stride_xk,
     stride_as, stride_ar, stride_ak,
     stride_os, stride_om, stride_or,
-    NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -44,12 +44,12 @@ def _shrink_kernel(
     rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    a_rows = sl * MAX_RANK + offs_r
+    a_rows = sl * max_rank + offs_r
     x_base = x_ptr + rows[:, None] * stride_xm
     a_base = a_ptr + slot.to(tl.int64) * stride_as + a_rows[None, :] * stride_ar
-    k0 = split * K_PER_SPLIT
+    k0 = split * k_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+    for kk in range(0, k_per_split, BLOCK_K):
         offs_k = k0 + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_base + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
@@ -75,11 +75,11 @@ def _shrink_op(
         return out
     _shrink_kernel[grid](
         x, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
-        k,
+        k, max_rank, k_per_split,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        NUM_SLICES=num_slices, MAX_RANK=max_rank, K_PER_SPLIT=k_per_split,
+        NUM_SLICES=num_slices,
         BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k,
         PRECISION=config.dot_precision(x.dtype),
     )

@@ -20,7 +20,8 @@ import torch
 @dataclass
 class LoRAWeights:
     lora_a: torch.Tensor
-    """Linear: [num_slots, num_slices * max_rank, in_features]. Embedding: [num_slots, vocab, max_rank]."""
+    """Linear: [num_slots, num_slices * max_rank, in_features].
+    Embedding: [num_slots, vocab, max_rank]."""
     lora_b: torch.Tensor
     """[num_slots, out_features, max_rank]; slice s owns output columns slice_bounds[s]:[s+1]."""
     ranks: torch.Tensor

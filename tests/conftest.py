@@ -15,7 +15,7 @@ settings.register_profile(
     "cpu", max_examples=25, deadline=None, suppress_health_check=list(HealthCheck)
 )
 settings.register_profile(
-    "gpu", max_examples=150, deadline=None, suppress_health_check=list(HealthCheck)
+    "gpu", max_examples=100, deadline=None, suppress_health_check=list(HealthCheck)
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if ON_GPU else "cpu"))
 

@@ -1,0 +1,78 @@
+"""``python -m bench``: runs the suites of the chosen profile, prints tables, writes results/.
+
+Profiles: ``gpu`` (Llama-3-8B shapes, bf16, CUDA-graph timing) and ``cpu`` (tiny shapes, fp32,
+Triton interpreter, wall clock: proves the pipeline end to end, its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+import kernels  # noqa: F401  (selects the Triton interpreter on CPU before kernels load)
+from bench import hardware, kernel_bench, provenance, results, table
+from lora_runtime.model import config as model_config
+
+PROFILES = {
+    "gpu": dict(
+        preset="llama3-8b", dtype=torch.bfloat16, reps=30,
+        modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        tokens=(1, 16, 64, 256, 2048), adapters=(1, 4, 16), ranks=(16, 64),
+    ),
+    "gpu-quick": dict(
+        preset="llama3-8b", dtype=torch.bfloat16, reps=20,
+        modules=("qkv_proj", "gate_up_proj", "down_proj"),
+        tokens=(1, 64, 2048), adapters=(1, 8), ranks=(16,),
+    ),
+    "cpu": dict(
+        preset="tiny", dtype=torch.float32, reps=3,
+        modules=("qkv_proj", "down_proj"), tokens=(1, 16), adapters=(1, 4), ranks=(8,),
+    ),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=("kernels", "all"), default="all")
+    p.add_argument("--profile", choices=("auto", *PROFILES), default="auto",
+                   help="auto: gpu when CUDA is available, else cpu")
+    p.add_argument("--filter", default="",
+                   help="regex on 'module T=<tokens> adapters=<n> r=<rank>' to run a subset")
+    p.add_argument("--out", type=Path, default=provenance.ROOT / "results")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.profile if args.profile != "auto" else ("gpu" if device.type == "cuda" else "cpu")
+    if name.startswith("gpu") and device.type != "cuda":
+        raise SystemExit(f"profile {name!r} needs a CUDA device; use --profile cpu")
+    prof = PROFILES[name]
+    run = provenance.collect(device) | {"profile": name}
+    ceil = hardware.measure(device, prof["dtype"])
+    run["ceilings"] = ceil.as_dict()
+    print(f"device: {ceil.device_name}  copy {ceil.copy_gbps:.0f} GB/s  "
+          f"matmul {ceil.matmul_tflops:.1f} TFLOP/s  profile {name}")
+    cfg = model_config.PRESETS[prof["preset"]]()
+    todo = kernel_bench.cases(cfg, prof["modules"], prof["tokens"], prof["adapters"],
+                              prof["ranks"], prof["dtype"])
+    pattern = re.compile(args.filter)
+    todo = [c for c in todo
+            if pattern.search(f"{c.shape.name} T={c.tokens} adapters={c.adapters} r={c.rank}")]
+    rows = []
+    for i, case in enumerate(todo):
+        print(f"[{i + 1}/{len(todo)}] {case.shape.name} T={case.tokens} "
+              f"adapters={case.adapters} r={case.rank}", flush=True)
+        rows += kernel_bench.run_case(case, device, ceil, prof["reps"])
+    print(table.kernel_table(rows))
+    slug = re.sub(r"[^a-z0-9]+", "-", run["device"].lower()).strip("-")
+    path = args.out / f"kernels-{slug}.json"
+    results.upsert(path, run, rows,
+                   key=("suite", "module", "tokens", "adapters", "rank", "dtype", "provider"))
+    print(f"wrote {len(rows)} rows to {path}")
+    return 0

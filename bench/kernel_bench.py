@@ -1,0 +1,191 @@
+"""LoRA kernels per module shape: this project's Triton kernels vs the torch reference vs the
+module's base GEMM, each timed inside a CUDA graph over enough distinct weight copies that
+they do not sit in L2, and each next to its bytes/FLOP floor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bench import nvtx_ranges
+from bench.hardware import Ceilings
+from bench.lora_check import lora_delta_fp32, relative_error
+from bench.timing import bench_time
+from kernels import LoRAWeights, SegmentLayout, lora_expand, lora_shrink, plan_segments
+from kernels.reference import expand_reference, shrink_reference
+from lora_runtime.model.config import LlamaConfig, ModuleShape
+
+TORCH_GATHER_LIMIT = 2 * 2**30  # the reference gathers weights per row; beyond this, skip it
+CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    shape: ModuleShape
+    tokens: int
+    adapters: int
+    rank: int
+    dtype: torch.dtype
+
+    @property
+    def regime(self) -> str:
+        return "decode" if self.tokens <= 256 else "prefill"
+
+    @property
+    def block_m(self) -> int:
+        return 16 if self.regime == "decode" else 64
+
+    @property
+    def used_adapters(self) -> int:
+        return min(self.adapters, self.tokens)
+
+    def token_slots(self) -> tuple[list[int], list[int] | None]:
+        """Decode: tokens interleaved over adapters (rows must be permuted to group them).
+        Prefill: one request per adapter, contiguous."""
+        if self.regime == "decode":
+            return [t % self.adapters for t in range(self.tokens)], None
+        lens = [self.tokens // self.adapters] * self.adapters
+        lens[-1] += self.tokens - sum(lens)
+        return list(range(self.adapters)), lens
+
+
+def cases(config: LlamaConfig, modules, tokens, adapters, ranks, dtype) -> list[KernelCase]:
+    return [
+        KernelCase(config.module_shape(m), t, a, r, dtype)
+        for m in modules for t in tokens for a in adapters for r in ranks
+    ]
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def floors(case: KernelCase) -> dict[str, tuple[int, int]]:
+    """(bytes, flops) lower bounds: each input read once, each output written once."""
+    e, t, r = _elt(case.dtype), case.tokens, case.rank
+    k, n, s = case.shape.in_features, case.shape.out_features, len(case.shape.slice_widths)
+    used = case.used_adapters
+    inter = t * s * r * 4
+    shrink = (t * k * e + used * s * r * k * e + inter, 2 * t * s * r * k)
+    expand = (inter + used * n * r * e + 2 * t * n * e, 2 * t * n * r)
+    return {
+        "shrink": shrink,
+        "expand": expand,
+        "lora": (shrink[0] + expand[0], shrink[1] + expand[1]),
+        "base": (t * k * e + k * n * e + t * n * e, 2 * t * k * n),
+    }
+
+
+def _copies(bytes_per_copy: int, l2_bytes: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return max(2, min(512, math.ceil(4 * l2_bytes / max(1, bytes_per_copy))))
+
+
+def _weights(case: KernelCase, device) -> LoRAWeights:
+    w = LoRAWeights.for_linear(case.adapters, case.shape.in_features, case.shape.slice_widths,
+                               case.rank, case.dtype, device)
+    w.lora_a.normal_(0, case.shape.in_features**-0.5)
+    w.lora_b.normal_(0, case.rank**-0.5)
+    w.ranks[: case.adapters] = case.rank
+    w.scalings[: case.adapters] = 2.0
+    return w
+
+
+def run_case(case: KernelCase, device: torch.device, ceil: Ceilings, reps: int) -> list[dict]:
+    slots, lens = case.token_slots()
+    plan = plan_segments(slots, lens, block_m=case.block_m)
+    layout = SegmentLayout.from_plan(plan, device)
+    fl = floors(case)
+    label = f"{case.shape.name} T={case.tokens} adapters={case.adapters} r={case.rank}"
+    with nvtx_ranges.range(f"kernels {label}"):
+        results, errors = _time_lora(case, layout, plan.token_slots, device, ceil, reps, label)
+        results["base"] = _time_base(case, device, ceil, reps, label)
+    base_us = results["base"][0].median_us
+    rows = []
+    for name, (timing, copies) in results.items():
+        kind = {"triton_shrink": "shrink", "triton_expand": "expand", "base": "base"}.get(
+            name, "lora")
+        nbytes, flops = fl[kind]
+        floor_us = max(nbytes / (ceil.copy_gbps * 1e3), flops / (ceil.matmul_tflops * 1e6))
+        med = timing.median_us
+        rows.append({
+            "suite": "kernels", "module": case.shape.name, "regime": case.regime,
+            "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
+            "dtype": str(case.dtype).removeprefix("torch."), "provider": name,
+            **timing.summary(), "copies": copies,
+            "floor_bytes": nbytes, "floor_flops": flops, "floor_us": floor_us,
+            "x_floor": med / floor_us if floor_us else None,
+            "achieved_gbps": nbytes / (med * 1e3) if med else None,
+            "base_us": base_us, "pct_of_base": 100 * med / base_us if base_us else None,
+            "max_rel_err": errors.get(name.split("_")[0]),
+        })
+    return rows
+
+
+def _time_lora(case, layout, token_slots, device, ceil, reps, label):
+    k, n = case.shape.in_features, case.shape.out_features
+    copies = _copies(floors(case)["lora"][0], ceil.l2_bytes, device)
+    ws = [_weights(case, device) for _ in range(copies)]
+    xs = [torch.randn(case.tokens, k, dtype=case.dtype, device=device) for _ in ws]
+    ys = [torch.randn(case.tokens, n, dtype=case.dtype, device=device) for _ in ws]
+    errors = _check(case, ws[0], xs[0], layout, token_slots)
+    parts = [lora_shrink(x, w, layout) for x, w in zip(xs, ws, strict=True)]
+    each = list(zip(xs, ws, ys, parts, strict=True))
+    timed = {
+        "triton": lambda: [lora_expand(lora_shrink(x, w, layout), w, y, layout)
+                           for x, w, y, _ in each],
+        "triton_shrink": lambda: [lora_shrink(x, w, layout) for x, w, _, _ in each],
+        "triton_expand": lambda: [lora_expand(p, w, y, layout) for _, w, y, p in each],
+    }
+    if _gather_bytes(case) <= TORCH_GATHER_LIMIT:
+        timed["torch"] = lambda: [
+            expand_reference(shrink_reference(x, w, layout), w, y, layout) for x, w, y, _ in each
+        ]
+    results = {}
+    for name, fn in timed.items():
+        with nvtx_ranges.range(f"{name} {label}"):
+            results[name] = (bench_time(fn, device=device, calls=copies, reps=reps), copies)
+    return results, errors
+
+
+def _time_base(case, device, ceil, reps, label):
+    k, n = case.shape.in_features, case.shape.out_features
+    copies = _copies(floors(case)["base"][0], ceil.l2_bytes, device)
+    each = [
+        (torch.randn(case.tokens, k, dtype=case.dtype, device=device),
+         torch.randn(n, k, dtype=case.dtype, device=device) * k**-0.5,
+         torch.empty(case.tokens, n, dtype=case.dtype, device=device))
+        for _ in range(copies)
+    ]
+    with nvtx_ranges.range(f"base {label}"):
+        timing = bench_time(lambda: [torch.mm(x, w.t(), out=y) for x, w, y in each],
+                            device=device, calls=copies, reps=reps)
+    return timing, copies
+
+
+def _gather_bytes(case: KernelCase) -> int:
+    k, n, s = case.shape.in_features, case.shape.out_features, len(case.shape.slice_widths)
+    return case.tokens * (s * case.rank * k + n * case.rank) * _elt(case.dtype)
+
+
+def _check(case, w, x, layout, token_slots) -> dict[str, float]:
+    ref = lora_delta_fp32(x, w, token_slots)
+    y0 = torch.randn(case.tokens, case.shape.out_features, dtype=case.dtype, device=x.device)
+    errs = {}
+    y = y0.clone()
+    lora_expand(lora_shrink(x, w, layout), w, y, layout)
+    errs["triton"] = relative_error(y, y0, ref)
+    if _gather_bytes(case) <= TORCH_GATHER_LIMIT:
+        y = y0.clone()
+        expand_reference(shrink_reference(x, w, layout), w, y, layout)
+        errs["torch"] = relative_error(y, y0, ref)
+    # The delta is small next to y, so y's own rounding bounds what any kernel can reach.
+    rounding = 2 * torch.finfo(case.dtype).eps * (y0.float().norm() / ref.norm().clamp_min(1e-30))
+    tol = CHECK_TOL[case.dtype] + rounding.item()
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    if bad:
+        raise AssertionError(f"{case}: LoRA output differs from fp32 reference: {bad} > {tol}")
+    return errs

@@ -1,0 +1,150 @@
+"""Llama-architecture configuration, presets, and the LoRA target modules it exposes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+
+# PEFT target-module name -> (fused module of this runtime, slice index within it).
+PEFT_TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+    "embed_tokens": ("embed_tokens", 0),
+    "lm_head": ("lm_head", 0),
+}
+LAYER_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    name: str
+    in_features: int
+    slice_widths: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.slice_widths)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
+                f"{self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError("hidden_size must divide by num_heads, or set head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @cached_property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @cached_property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_shape(self, module: str) -> ModuleShape:
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = {
+            "qkv_proj": (h, (self.q_size, self.kv_size, self.kv_size)),
+            "o_proj": (self.q_size, (h,)),
+            "gate_up_proj": (h, (i, i)),
+            "down_proj": (i, (h,)),
+            "lm_head": (h, (self.vocab_size,)),
+        }
+        if module not in shapes:
+            raise KeyError(f"unknown module {module!r}; expected one of {sorted(shapes)}")
+        k, widths = shapes[module]
+        return ModuleShape(module, k, widths)
+
+    def with_layers(self, num_layers: int) -> LlamaConfig:
+        return dataclasses.replace(self, num_layers=num_layers)
+
+    @staticmethod
+    def from_hf(cfg: dict) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` of a Llama checkpoint."""
+        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
+            raise ValueError(f"not a Llama checkpoint: model_type={cfg.get('model_type')!r}")
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ValueError(f"{key}=true is not supported (Llama checkpoints have no biases)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; Llama uses silu")
+        return LlamaConfig(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get(
+                "rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, llama3")
+    return {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings")} | {"rope_type": "llama3"}
+
+
+def tiny(num_layers: int = 2) -> LlamaConfig:
+    """CPU-test size: every code path, small enough for the Triton interpreter."""
+    return LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=num_layers,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=512)
+
+
+def llama3_8b(num_layers: int = 32) -> LlamaConfig:
+    """Llama-3-8B shapes (random weights unless a checkpoint is loaded)."""
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=num_layers,
+        num_heads=32, num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=8192,
+    )
+
+
+PRESETS = {"tiny": tiny, "llama3-8b": llama3_8b}
