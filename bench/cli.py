@@ -16,6 +16,8 @@ import kernels  # noqa: F401  (selects the Triton interpreter on CPU before kern
 from bench import hardware, kernel_bench, provenance, results, table
 from lora_runtime.model import config as model_config
 
+KERNEL_KEY = ("suite", "module", "tokens", "adapters", "rank", "dtype", "provider")
+
 PROFILES = {
     "gpu": dict(
         preset="llama3-8b", dtype=torch.bfloat16, reps=30,
@@ -64,15 +66,16 @@ def main(argv=None) -> int:
     pattern = re.compile(args.filter)
     todo = [c for c in todo
             if pattern.search(f"{c.shape.name} T={c.tokens} adapters={c.adapters} r={c.rank}")]
+    slug = re.sub(r"[^a-z0-9]+", "-", run["device"].lower()).strip("-")
+    path = args.out / f"kernels-{slug}.json"
     rows = []
     for i, case in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {case.shape.name} T={case.tokens} "
               f"adapters={case.adapters} r={case.rank}", flush=True)
-        rows += kernel_bench.run_case(case, device, ceil, prof["reps"])
+        new = kernel_bench.run_case(case, device, ceil, prof["reps"])
+        # Written case by case: a run cut short keeps what it measured.
+        results.upsert(path, run, new, key=KERNEL_KEY)
+        rows += new
     print(table.kernel_table(rows))
-    slug = re.sub(r"[^a-z0-9]+", "-", run["device"].lower()).strip("-")
-    path = args.out / f"kernels-{slug}.json"
-    results.upsert(path, run, rows,
-                   key=("suite", "module", "tokens", "adapters", "rank", "dtype", "provider"))
     print(f"wrote {len(rows)} rows to {path}")
     return 0
