@@ -67,7 +67,7 @@ def floors(case: KernelCase) -> dict[str, tuple[int, int]]:
     e, t, r = _elt(case.dtype), case.tokens, case.rank
     k, n, s = case.shape.in_features, case.shape.out_features, len(case.shape.slice_widths)
     used = case.used_adapters
-    inter = t * s * r * 4
+    inter = t * s * r * 4  # the fp32 shrink output, written once and read once
     shrink = (t * k * e + used * s * r * k * e + inter, 2 * t * s * r * k)
     expand = (inter + used * n * r * e + 2 * t * n * e, 2 * t * n * r)
     return {
@@ -132,13 +132,13 @@ def _time_lora(case, layout, token_slots, device, ceil, reps, label):
     xs = [torch.randn(case.tokens, k, dtype=case.dtype, device=device) for _ in ws]
     ys = [torch.randn(case.tokens, n, dtype=case.dtype, device=device) for _ in ws]
     errors = _check(case, ws[0], xs[0], layout, token_slots)
-    parts = [lora_shrink(x, w, layout) for x, w in zip(xs, ws, strict=True)]
-    each = list(zip(xs, ws, ys, parts, strict=True))
+    shrunk = [lora_shrink(x, w, layout) for x, w in zip(xs, ws, strict=True)]
+    each = list(zip(xs, ws, ys, shrunk, strict=True))
     timed = {
         "triton": lambda: [lora_expand(lora_shrink(x, w, layout), w, y, layout)
                            for x, w, y, _ in each],
         "triton_shrink": lambda: [lora_shrink(x, w, layout) for x, w, _, _ in each],
-        "triton_expand": lambda: [lora_expand(p, w, y, layout) for _, w, y, p in each],
+        "triton_expand": lambda: [lora_expand(a, w, y, layout) for _, w, y, a in each],
     }
     if _gather_bytes(case) <= TORCH_GATHER_LIMIT:
         timed["torch"] = lambda: [

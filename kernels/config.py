@@ -31,7 +31,8 @@ def rank_block(max_rank: int) -> int:
 
 
 def shrink_k_block(block_r: int, k: int) -> int:
-    cap = 256 if block_r <= 32 else 128
+    # One stage of the A tile stays within 32 KB of shared memory.
+    cap = 256 if block_r <= 32 else (128 if block_r <= 64 else 64)
     return max(16, min(cap, triton.next_power_of_2(k)))
 
 
@@ -50,6 +51,21 @@ def shrink_split(
 
 def expand_n_block(max_width: int) -> int:
     return max(16, min(128, triton.next_power_of_2(max_width)))
+
+
+def expand_tiles_per_program(
+    num_blocks: int, num_tiles: int, device: torch.device, tiles: int | None
+) -> int:
+    """Output tiles one expand program walks (reusing its ``a`` tile): 1 when the grid is
+    small (decode), more when there are far more tiles than the device runs at once."""
+    if tiles is None:
+        tiles = num_blocks * num_tiles // max(1, programs_wanted(device))
+    tiles = max(1, min(16, tiles))
+    return 1 << (tiles.bit_length() - 1)
+
+
+def num_warps(block_m: int, block_cols: int) -> int:
+    return 8 if block_m * block_cols > 8192 else 4
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,6 +1,6 @@
 """LoRA-A for token embeddings is a gather: ``a[row, :r] = A_emb[slot, token_id[row], :r]``
 (``A_emb`` stores PEFT's ``lora_embedding_A`` transposed, so one row is contiguous).
-Its output has the shrink kernel's partials shape (one split) and feeds ``lora_expand``."""
+Its output has the shrink kernel's shape and feeds ``lora_expand``."""
 
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ def _embedding_op(
 ) -> torch.Tensor:
     t = token_ids.shape[0]
     max_rank = lora_a.shape[2]
-    out = torch.empty(1, t, max_rank, dtype=torch.float32, device=token_ids.device)
+    out = torch.empty(t, max_rank, dtype=torch.float32, device=token_ids.device)
     if t == 0 or block_slots.shape[0] == 0:
         return out
     _embedding_gather_kernel[(block_slots.shape[0],)](
-        token_ids, lora_a, out[0], permutation, block_slots, block_starts, block_ends, ranks,
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), out.stride(1), out.stride(2),
+        token_ids, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank),
     )
     return out
@@ -63,13 +63,13 @@ def _embedding_op(
 
 @_embedding_op.register_fake
 def _(token_ids, lora_a, ranks, permutation, block_slots, block_starts, block_ends, block_m):
-    return token_ids.new_empty(1, token_ids.shape[0], lora_a.shape[2], dtype=torch.float32)
+    return token_ids.new_empty(token_ids.shape[0], lora_a.shape[2], dtype=torch.float32)
 
 
 def lora_embedding_shrink(
     token_ids: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None
 ) -> torch.Tensor:
-    """fp32 ``[1, rows, max_rank]``, defined where the column is below the slot's rank."""
+    """fp32 ``[rows, max_rank]``, defined where the column is below the slot's rank."""
     check_layout(layout, token_ids.shape[0] if token_ids.dim() == 1 else -1, token_ids.device,
                  "lora_embedding_shrink")
     check(weights.is_embedding, "lora_embedding_shrink needs weights from "

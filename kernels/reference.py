@@ -32,7 +32,7 @@ def _rank_mask(weights: LoRAWeights, slots: torch.Tensor) -> torch.Tensor:
 def shrink_reference(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout) -> torch.Tensor:
     slots, rows_w = _row_slots(weights, layout)
     a = torch.bmm(weights.lora_a[rows_w], x.unsqueeze(2)).squeeze(2).float()
-    return torch.where(_rank_mask(weights, slots), a, 0.0).unsqueeze(0)
+    return torch.where(_rank_mask(weights, slots), a, 0.0)
 
 
 def embedding_shrink_reference(
@@ -40,15 +40,15 @@ def embedding_shrink_reference(
 ) -> torch.Tensor:
     slots, rows_w = _row_slots(weights, layout)
     a = weights.lora_a[rows_w, token_ids.long()].float()
-    return torch.where(_rank_mask(weights, slots), a, 0.0).unsqueeze(0)
+    return torch.where(_rank_mask(weights, slots), a, 0.0)
 
 
 def expand_reference(
-    partials: torch.Tensor, weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout
+    a: torch.Tensor, weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout
 ) -> None:
     slots, rows_w = _row_slots(weights, layout)
     mask = _rank_mask(weights, slots)
-    a = torch.where(mask, partials.sum(0), 0.0).to(y.dtype)
+    a = torch.where(mask, a, 0.0).to(y.dtype)
     r = weights.max_rank
     for s in range(weights.num_slices):
         lo, hi = weights.slice_bounds[s], weights.slice_bounds[s + 1]

@@ -1,10 +1,10 @@
 """Shrink: ``a[row, s*R:(s*R+r)] = x[row] @ A[slot, s*R:(s*R+r)]^T`` for every slice s.
 
 Grid: (block, slice, K split). Decode batches have few blocks and a long K, so K is split until
-the grid covers the device; each split writes its own fp32 partial sum, and the expand kernel
-adds the partials up while it loads them (no atomics, no zero-fill, deterministic).
-Output rows/columns a slot does not own (rank beyond the slot's rank, neutral rows) are left
-unwritten: the expand kernel never reads them.
+the grid covers the device; the splits then add into a zeroed fp32 output with atomics (one
+memset, and the expand kernel reads ``a`` once). Without a split the output is stored directly
+and never zeroed. Columns past a slot's rank and rows of the neutral slot are left unwritten
+(zero, or undefined without a split): the expand kernel never reads them.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ def _shrink_kernel(
     K, max_rank, k_per_split,
     stride_xm, stride_xk,
     stride_as, stride_ar, stride_ak,
-    stride_os, stride_om, stride_or,
-    NUM_SLICES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    stride_om, stride_or,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
 ):
     blk = tl.program_id(0)
     sl = tl.program_id(1)
@@ -57,8 +56,12 @@ def _shrink_kernel(
         a = tl.load(a_base + offs_k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :],
                     other=0.0)
         acc += tl.dot(x, a, input_precision=PRECISION)
-    out = out_ptr + split * stride_os + rows[:, None] * stride_om + a_rows[None, :] * stride_or
-    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+    out = out_ptr + rows[:, None] * stride_om + a_rows[None, :] * stride_or
+    mask = m_mask[:, None] & r_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(out, acc, mask=mask)
 
 
 @torch.library.custom_op("multilora::shrink", mutates_args=())
@@ -68,20 +71,22 @@ def _shrink_op(
     block_m: int, num_slices: int, splits: int, k_per_split: int, block_k: int,
 ) -> torch.Tensor:
     t, k = x.shape
-    out = torch.empty(splits, t, lora_a.shape[1], dtype=torch.float32, device=x.device)
+    alloc = torch.zeros if splits > 1 else torch.empty
+    out = alloc(t, lora_a.shape[1], dtype=torch.float32, device=x.device)
     max_rank = lora_a.shape[1] // num_slices
     grid = (block_slots.shape[0], num_slices, splits)
     if t == 0 or grid[0] == 0:
         return out
+    block_r = config.rank_block(max_rank)
     _shrink_kernel[grid](
         x, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
         k, max_rank, k_per_split,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        NUM_SLICES=num_slices,
-        BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k,
-        PRECISION=config.dot_precision(x.dtype),
+        out.stride(0), out.stride(1),
+        NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        ATOMIC=splits > 1, PRECISION=config.dot_precision(x.dtype),
+        num_warps=config.num_warps(block_m, block_r),
     )
     return out
 
@@ -89,7 +94,7 @@ def _shrink_op(
 @_shrink_op.register_fake
 def _(x, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
       block_m, num_slices, splits, k_per_split, block_k):
-    return x.new_empty(splits, x.shape[0], lora_a.shape[1], dtype=torch.float32)
+    return x.new_empty(x.shape[0], lora_a.shape[1], dtype=torch.float32)
 
 
 def lora_shrink(
@@ -99,9 +104,8 @@ def lora_shrink(
     split_k: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """Returns fp32 partial sums ``[splits, rows, num_slices * max_rank]``; their sum over the
-    first dimension is the shrink output (defined where the column is below the slot's rank).
-    ``split_k`` and ``block_k`` override the launch heuristics (tests, tuning)."""
+    """fp32 ``[rows, num_slices * max_rank]``, defined where the row's slot has a rank above
+    the column's index within its slice. ``split_k``/``block_k`` override the heuristics."""
     check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, "lora_shrink")
     check(x.dim() == 2 and x.stride(1) == 1, f"x must be 2-D with contiguous rows, got shape "
           f"{tuple(x.shape)} strides {x.stride()}")

@@ -17,6 +17,7 @@ class Case:
     token_slots: list[int]  # per row of x, padding rows included (neutral slot)
     split_k: int | None
     block_k: int | None = None
+    tiles: int | None = None
 
 
 def _fill(weights: LoRAWeights, draw_ranks, gen: torch.Generator) -> None:
@@ -73,7 +74,8 @@ def linear_cases(draw, dtype, device):
     layout, token_slots = draw(layouts(num_slots, device))
     split_k = draw(st.sampled_from([None, 1, 2, 3]))
     block_k = draw(st.sampled_from([None, 16, 32]))
-    return Case(w, layout, token_slots, split_k, block_k)
+    tiles = draw(st.sampled_from([None, 1, 2, 4]))
+    return Case(w, layout, token_slots, split_k, block_k, tiles)
 
 
 @st.composite
@@ -86,7 +88,7 @@ def embedding_cases(draw, dtype, device):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     _fill(w, ranks, gen)
     layout, token_slots = draw(layouts(num_slots, device))
-    return Case(w, layout, token_slots, None)
+    return Case(w, layout, token_slots, None, None, draw(st.sampled_from([None, 1, 2])))
 
 
 def defined_mask(case: Case) -> torch.Tensor:

@@ -15,8 +15,14 @@ from kernels import lora_embedding_shrink, lora_expand, lora_shrink, plan_segmen
 from kernels.reference import embedding_shrink_reference, expand_reference, shrink_reference
 
 PROVIDERS = {
-    "triton": (lambda x, c: lora_shrink(x, c.weights, c.layout, c.split_k, c.block_k), lora_expand),
-    "torch": (lambda x, c: shrink_reference(x, c.weights, c.layout), expand_reference),
+    "triton": (
+        lambda x, c: lora_shrink(x, c.weights, c.layout, c.split_k, c.block_k),
+        lambda a, c, y: lora_expand(a, c.weights, y, c.layout, c.tiles),
+    ),
+    "torch": (
+        lambda x, c: shrink_reference(x, c.weights, c.layout),
+        lambda a, c, y: expand_reference(a, c.weights, y, c.layout),
+    ),
 }
 
 
@@ -33,9 +39,8 @@ def test_shrink_then_expand_matches_float64(provider, dtype, data):
     shrink, expand = PROVIDERS[provider]
     rows, k = len(case.token_slots), case.weights.lora_a.shape[2]
     x = _input(rows, k, dtype, data.draw(st.integers(0, 2**31)))
-    partials = shrink(x, case)
+    a = shrink(x, case)
     defined = defined_mask(case).to(DEVICE)
-    a = partials.sum(0)
     a_ref = torch.zeros_like(a, dtype=torch.float64)
     for t, slot in enumerate(case.token_slots):
         if slot < case.weights.num_slots:
@@ -44,7 +49,7 @@ def test_shrink_then_expand_matches_float64(provider, dtype, data):
 
     y0 = _input(rows, case.weights.lora_b.shape[1], dtype, 7)
     y = y0.clone()
-    expand(partials, case.weights, y, case.layout)
+    expand(a, case, y)
     ref = lora_delta_f64(x, case.weights, case.token_slots)
     assert_added(y, y0, ref, dtype)
     untouched = (ref == 0).to(DEVICE)
@@ -62,11 +67,11 @@ def test_embedding_gather_then_expand_matches_float64(provider, dtype, data):
     y0 = _input(rows, case.weights.lora_b.shape[1], dtype, 3)
     y = y0.clone()
     if provider == "triton":
-        partials = lora_embedding_shrink(ids, case.weights, case.layout)
-        lora_expand(partials, case.weights, y, case.layout)
+        a = lora_embedding_shrink(ids, case.weights, case.layout)
+        lora_expand(a, case.weights, y, case.layout, case.tiles)
     else:
-        partials = embedding_shrink_reference(ids, case.weights, case.layout)
-        expand_reference(partials, case.weights, y, case.layout)
+        a = embedding_shrink_reference(ids, case.weights, case.layout)
+        expand_reference(a, case.weights, y, case.layout)
     ref = lora_delta_f64(None, case.weights, case.token_slots, token_ids=ids.cpu())
     assert_added(y, y0, ref, dtype)
     untouched = (ref == 0).to(DEVICE)
