@@ -64,12 +64,12 @@ def _expand_kernel(
     for t in range(TILES):
         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
-        b = tl.load(b_base + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0)
-        acc = tl.dot(a, b, input_precision=PRECISION)
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         y_mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        b = tl.load(b_base + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0)
+        acc = tl.dot(a, b, input_precision=PRECISION)
         tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=y_mask)
 
 
@@ -78,7 +78,7 @@ def _expand_op(
     a: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, ranks: torch.Tensor,
     scalings: torch.Tensor, slice_offsets: torch.Tensor, permutation: torch.Tensor,
     block_slots: torch.Tensor, block_starts: torch.Tensor, block_ends: torch.Tensor,
-    block_m: int, num_groups: int, block_n: int, tiles: int,
+    block_m: int, num_groups: int, block_n: int, tiles: int, num_warps: int,
 ) -> None:
     num_slices = slice_offsets.shape[0] - 1
     max_rank = lora_b.shape[2]
@@ -95,7 +95,7 @@ def _expand_op(
         NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=config.rank_block(max_rank), TILES=tiles,
         PRECISION=config.dot_precision(lora_b.dtype),
-        num_warps=config.num_warps(block_m, block_n),
+        num_warps=num_warps,
     )
 
 
@@ -105,9 +105,12 @@ def lora_expand(
     y: torch.Tensor,
     layout: SegmentLayout | None,
     tiles: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Adds the LoRA term to ``y`` in place. ``a`` is ``lora_shrink``'s output (or the
-    embedding gather's). ``tiles`` overrides the output tiles per program (tests, tuning)."""
+    embedding gather's). ``tiles``, ``block_n``, ``num_warps`` override the launch heuristics
+    (tests, tuning)."""
     check_layout(layout, y.shape[0] if y.dim() == 2 else -1, y.device, "lora_expand")
     b = weights.lora_b
     check(y.dim() == 2 and y.shape[1] == b.shape[1],
@@ -121,7 +124,7 @@ def lora_expand(
     check(tuple(a.shape) == want and a.dtype == torch.float32,
           f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
     check_tables(weights.ranks, weights.scalings, weights.num_slots, weights.num_slices, y.device)
-    block_n = config.expand_n_block(max(weights.slice_widths))
+    block_n = block_n or config.expand_n_block(max(weights.slice_widths))
     slice_tiles = [triton.cdiv(w, block_n) for w in weights.slice_widths]
     tiles = config.expand_tiles_per_program(layout.block_slots.shape[0], sum(slice_tiles),
                                             y.device, tiles)
@@ -130,4 +133,5 @@ def lora_expand(
         a, b, y, weights.ranks, weights.scalings, weights.slice_offsets,
         layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,
         layout.block_m, num_groups, block_n, tiles,
+        num_warps or config.num_warps(layout.block_m, block_n),
     )

@@ -68,7 +68,7 @@ def _shrink_kernel(
 def _shrink_op(
     x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, permutation: torch.Tensor,
     block_slots: torch.Tensor, block_starts: torch.Tensor, block_ends: torch.Tensor,
-    block_m: int, num_slices: int, splits: int, k_per_split: int, block_k: int,
+    block_m: int, num_slices: int, splits: int, k_per_split: int, block_k: int, num_warps: int,
 ) -> torch.Tensor:
     t, k = x.shape
     alloc = torch.zeros if splits > 1 else torch.empty
@@ -86,14 +86,14 @@ def _shrink_op(
         out.stride(0), out.stride(1),
         NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         ATOMIC=splits > 1, PRECISION=config.dot_precision(x.dtype),
-        num_warps=config.num_warps(block_m, block_r),
+        num_warps=num_warps,
     )
     return out
 
 
 @_shrink_op.register_fake
 def _(x, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
-      block_m, num_slices, splits, k_per_split, block_k):
+      block_m, num_slices, splits, k_per_split, block_k, num_warps):
     return x.new_empty(x.shape[0], lora_a.shape[1], dtype=torch.float32)
 
 
@@ -103,9 +103,11 @@ def lora_shrink(
     layout: SegmentLayout | None,
     split_k: int | None = None,
     block_k: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """fp32 ``[rows, num_slices * max_rank]``, defined where the row's slot has a rank above
-    the column's index within its slice. ``split_k``/``block_k`` override the heuristics."""
+    the column's index within its slice. ``split_k``, ``block_k``, ``num_warps`` override the
+    launch heuristics (tests, tuning)."""
     check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, "lora_shrink")
     check(x.dim() == 2 and x.stride(1) == 1, f"x must be 2-D with contiguous rows, got shape "
           f"{tuple(x.shape)} strides {x.stride()}")
@@ -129,4 +131,5 @@ def lora_shrink(
     return _shrink_op(
         x, a, weights.ranks, layout.permutation, layout.block_slots, layout.block_starts,
         layout.block_ends, layout.block_m, weights.num_slices, splits, k_per_split, block_k,
+        num_warps or config.num_warps(layout.block_m, block_r),
     )

@@ -1,0 +1,78 @@
+"""Tuning sweep for one kernel case: times every combination of launch overrides.
+
+    python -m bench.sweep --module gate_up_proj --tokens 2048 --adapters 1 --rank 64 \\
+        --kernel expand --grid block_n=64,128,256 tiles=1,4 num_warps=4,8
+
+``--once`` runs each variant a single time instead (for ``ncu``/``nsys``, which time it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+import kernels  # noqa: F401
+from bench import hardware, kernel_bench
+from bench.timing import bench_time
+from kernels import SegmentLayout, lora_expand, lora_shrink, plan_segments
+from lora_runtime.model import config as model_config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--module", required=True)
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--adapters", type=int, default=1)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--kernel", choices=("shrink", "expand"), required=True)
+    p.add_argument("--grid", nargs="*", default=[], help="name=v1,v2 ... (launch overrides)")
+    p.add_argument("--once", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config.PRESETS[args.preset]()
+    case = kernel_bench.KernelCase(cfg.module_shape(args.module), args.tokens, args.adapters,
+                                   args.rank, dtype)
+    slots, lens = case.token_slots()
+    layout = SegmentLayout.from_plan(plan_segments(slots, lens, block_m=case.block_m), device)
+    ceil = hardware.measure(device, dtype) if not args.once else None
+    nbytes = kernel_bench.floors(case)[args.kernel][0]
+    copies = 1 if args.once else kernel_bench._copies(nbytes, ceil.l2_bytes, device)
+    ws = [kernel_bench._weights(case, device) for _ in range(copies)]
+    xs = [torch.randn(case.tokens, case.shape.in_features, dtype=dtype, device=device)
+          for _ in ws]
+    ys = [torch.randn(case.tokens, case.shape.out_features, dtype=dtype, device=device)
+          for _ in ws]
+    shrunk = [lora_shrink(x, w, layout) for x, w in zip(xs, ws, strict=True)]
+    names = [g.split("=")[0] for g in args.grid]
+    values = [[None if v == "auto" else int(v) for v in g.split("=")[1].split(",")]
+              for g in args.grid]
+    rows = []
+    for combo in itertools.product(*values) if values else [()]:
+        kw = dict(zip(names, combo, strict=True))
+        if args.kernel == "shrink":
+            fn = lambda kw=kw: [lora_shrink(x, w, layout, **kw)
+                                for x, w in zip(xs, ws, strict=True)]
+        else:
+            fn = lambda kw=kw: [lora_expand(a, w, y, layout, **kw)
+                                for a, w, y in zip(shrunk, ws, ys, strict=True)]
+        if args.once:
+            fn()
+            continue
+        t = bench_time(fn, device=device, calls=copies, reps=20)
+        rows.append((t.median_us, kw))
+        print(f"{t.median_us:9.2f} us  {nbytes / t.median_us / 1e3:7.0f} GB/s  {kw}", flush=True)
+    if rows:
+        best = min(rows, key=lambda r: r[0])
+        print(f"best: {best[0]:.2f} us {best[1]}  ({case})")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
