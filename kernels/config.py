@@ -44,13 +44,20 @@ def shrink_split(
     k_blocks = -(-k // block_k)
     if split_k is None:
         split_k = -(-programs_wanted(device) // max(1, num_programs))
+        if device.type == "cuda" and num_programs * 2 >= programs_wanted(device) // 4:
+            # A grid that already fills the device gains little from splitting (prefill
+            # qkv, H200: 2 splits 18.4 us, 4 splits 21-26 us, 6 splits 23.4 us).
+            split_k = min(split_k, 2)
     split_k = max(1, min(split_k, k_blocks))
     k_per_split = -(-k_blocks // split_k) * block_k
     return -(-k // k_per_split), k_per_split
 
 
-def expand_n_block(max_width: int) -> int:
-    return max(16, min(128, triton.next_power_of_2(max_width)))
+def expand_n_block(max_width: int, block_m: int) -> int:
+    # 64 rows x 128 columns ran out of registers (255/thread, 12% occupancy on the H200):
+    # prefill-sized blocks use narrower tiles (gate_up, T=2048: 171 us vs 344 us).
+    cap = 64 if block_m >= 64 else 128
+    return max(16, min(cap, triton.next_power_of_2(max_width)))
 
 
 def expand_tiles_per_program(
@@ -60,7 +67,7 @@ def expand_tiles_per_program(
     small (decode), more when there are far more tiles than the device runs at once."""
     if tiles is None:
         tiles = num_blocks * num_tiles // max(1, programs_wanted(device))
-    tiles = max(1, min(16, tiles))
+    tiles = max(1, min(2, tiles))  # H200 sweeps: more tiles per program never paid
     return 1 << (tiles.bit_length() - 1)
 
 

@@ -124,7 +124,7 @@ def lora_expand(
     check(tuple(a.shape) == want and a.dtype == torch.float32,
           f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
     check_tables(weights.ranks, weights.scalings, weights.num_slots, weights.num_slices, y.device)
-    block_n = block_n or config.expand_n_block(max(weights.slice_widths))
+    block_n = block_n or config.expand_n_block(max(weights.slice_widths), layout.block_m)
     slice_tiles = [triton.cdiv(w, block_n) for w in weights.slice_widths]
     tiles = config.expand_tiles_per_program(layout.block_slots.shape[0], sum(slice_tiles),
                                             y.device, tiles)
