@@ -1,0 +1,124 @@
+"""An adapter in host memory: per-module A/B with its rank and scaling, validated against a
+model before it may enter the pool."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_runtime.model.config import PEFT_TARGETS, LlamaConfig
+
+ModuleKey = tuple[int | None, str]
+"""(layer index, PEFT target name); layer is None for embed_tokens and lm_head."""
+
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdapterError(ValueError):
+    """A bad adapter (files, config, shapes, values). Loading it changes nothing."""
+
+
+@dataclass
+class ModuleLoRA:
+    a: torch.Tensor
+    """[r, in_features] (embed_tokens: PEFT's lora_embedding_A, [r, vocab])."""
+    b: torch.Tensor
+    """[out_features, r] (embed_tokens: [hidden, r])."""
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    modules: dict[ModuleKey, ModuleLoRA]
+    r: int
+    alpha: float
+    use_rslora: bool = False
+    target_modules: tuple[str, ...] = ()
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    base_layers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Full base weights PEFT saves beside embedding LoRA (``save_embedding_layers``), by
+    target (embed_tokens, lm_head). Served only if they equal the model's own."""
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
+    def targets(self) -> set[str]:
+        return {t for _, t in self.modules}
+
+    def to(self, dtype: torch.dtype) -> LoRAAdapter:
+        mods = {k: ModuleLoRA(m.a.to(dtype), m.b.to(dtype), m.scaling)
+                for k, m in self.modules.items()}
+        return LoRAAdapter(self.name, mods, self.r, self.alpha, self.use_rslora,
+                           self.target_modules, dict(self.rank_pattern), dict(self.alpha_pattern),
+                           dict(self.base_layers))
+
+    def validate(self, config: LlamaConfig, max_rank: int, enabled: Iterable[str]) -> None:
+        """Raises AdapterError naming the module, the expected value and the fix."""
+        enabled = set(enabled)
+        if not self.modules:
+            raise AdapterError(f"adapter {self.name!r} has no LoRA weights")
+        for (layer, target), m in self.modules.items():
+            where = f"adapter {self.name!r}, {module_path(layer, target)}"
+            if target not in PEFT_TARGETS:
+                raise AdapterError(f"{where}: unknown target module {target!r}; supported: "
+                                   f"{sorted(PEFT_TARGETS)}")
+            if target not in enabled:
+                raise AdapterError(
+                    f"{where}: the runtime was built without LoRA on {target!r} (targets: "
+                    f"{sorted(enabled)}). Add it to LoRAConfig.target_modules"
+                )
+            if layer is not None and not 0 <= layer < config.num_layers:
+                raise AdapterError(f"{where}: layer {layer} does not exist (the model has "
+                                   f"{config.num_layers})")
+            r = m.rank
+            if r < 1:
+                raise AdapterError(f"{where}: rank must be >= 1, got {r}")
+            if r > max_rank:
+                raise AdapterError(f"{where}: rank {r} exceeds max_rank {max_rank}. Build the "
+                                   f"runtime with LoRAConfig(max_rank>={r})")
+            want_a, want_b = expected_shapes(config, target, r)
+            for label, t, want in (("lora_A", m.a, want_a), ("lora_B", m.b, want_b)):
+                if tuple(t.shape) != want:
+                    raise AdapterError(f"{where}: {label} has shape {tuple(t.shape)}, expected "
+                                       f"{want} for this model")
+                if not torch.isfinite(t).all():
+                    raise AdapterError(f"{where}: {label} contains NaN or Inf")
+            if not (m.scaling == m.scaling and abs(m.scaling) < float("inf")):
+                raise AdapterError(f"{where}: scaling {m.scaling} is not finite")
+        v, h = config.vocab_size, config.hidden_size
+        for target, t in self.base_layers.items():
+            want = (v, h)
+            if tuple(t.shape) != want:
+                raise AdapterError(
+                    f"adapter {self.name!r} carries {target} weights of shape {tuple(t.shape)}, "
+                    f"the model's are {want} (trained with a resized vocabulary?)"
+                )
+
+
+def expected_shapes(config: LlamaConfig, target: str, r: int):
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    in_out = {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        "embed_tokens": (v, h), "lm_head": (h, v),
+    }[target]
+    return (r, in_out[0]), (in_out[1], r)
+
+
+def module_path(layer: int | None, target: str) -> str:
+    """The module's name inside a Hugging Face LlamaForCausalLM."""
+    if layer is None:
+        return "model.embed_tokens" if target == "embed_tokens" else "lm_head"
+    block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"model.layers.{layer}.{block}.{target}"

@@ -1,0 +1,42 @@
+"""Random adapters for benchmarks and tests (B is non-zero, unlike a fresh PEFT adapter)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lora_runtime.adapters.adapter import (
+    LINEAR_TARGETS,
+    LoRAAdapter,
+    ModuleLoRA,
+    expected_shapes,
+)
+from lora_runtime.model.config import LlamaConfig
+
+
+def random_adapter(
+    config: LlamaConfig,
+    name: str,
+    rank: int,
+    targets: Sequence[str] = LINEAR_TARGETS,
+    *,
+    alpha: float | None = None,
+    use_rslora: bool = False,
+    seed: int = 0,
+    b_std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+) -> LoRAAdapter:
+    g = torch.Generator().manual_seed(seed)
+    alpha = float(2 * rank if alpha is None else alpha)
+    scaling = alpha / (rank**0.5 if use_rslora else rank)
+    modules = {}
+    for target in targets:
+        layers = [None] if target in ("embed_tokens", "lm_head") else range(config.num_layers)
+        for layer in layers:
+            (r, k), (n, _) = expected_shapes(config, target, rank)
+            a_std = 1.0 if target == "embed_tokens" else k**-0.5
+            a = torch.randn(r, k, generator=g) * a_std
+            b = torch.randn(n, r, generator=g) * b_std
+            modules[(layer, target)] = ModuleLoRA(a.to(dtype), b.to(dtype), scaling)
+    return LoRAAdapter(name, modules, rank, alpha, use_rslora, tuple(targets))

@@ -1,0 +1,14 @@
+from lora_runtime.backends.base import LoRABackend, RowSet
+from lora_runtime.backends.torch_backend import TorchBackend
+from lora_runtime.backends.triton_backend import TritonBackend
+
+BACKENDS = {"triton": TritonBackend, "torch": TorchBackend}
+
+
+def make_backend(name: str, num_slots: int, device) -> LoRABackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {name!r}; choose one of {sorted(BACKENDS)}")
+    return BACKENDS[name](num_slots, device)
+
+
+__all__ = ["BACKENDS", "LoRABackend", "RowSet", "TorchBackend", "TritonBackend", "make_backend"]

@@ -1,0 +1,19 @@
+"""LoRA through this project's Triton kernels."""
+
+from __future__ import annotations
+
+from kernels import lora_embedding_shrink, lora_expand, lora_shrink
+from lora_runtime.backends.base import LoRABackend
+
+
+class TritonBackend(LoRABackend):
+    name = "triton"
+
+    def shrink(self, x, weights, layout):
+        return lora_shrink(x, weights, layout)
+
+    def expand(self, a, weights, y, layout):
+        lora_expand(a, weights, y, layout)
+
+    def embedding_shrink(self, token_ids, weights, layout):
+        return lora_embedding_shrink(token_ids, weights, layout)

@@ -1,0 +1,95 @@
+"""``ForwardBatch``: the tensors one model forward reads, and the host facts LoRA needs.
+
+Modes: EXTEND (prefill: new tokens of each request, possibly after a cached prefix), DECODE
+(one token per request), IDLE (no local tokens: a data-parallel rank whose peers have work).
+Building an IDLE batch resets the LoRA batch (contract 3): an idle forward must never run
+with the previous batch's metadata.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lora_runtime.manager import LoRAManager
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    IDLE = "idle"
+
+
+@dataclass
+class DecodeAttention:
+    kv_indices: torch.Tensor
+    """[bs, ctx] int64: KV-cache slots of each request's context (the new token included);
+    entries past ``kv_lens`` point at the scratch slot 0."""
+    kv_lens: torch.Tensor
+    """[bs] int64."""
+
+
+@dataclass
+class ExtendAttention:
+    token_req: torch.Tensor
+    """[T] int64: which request each new token belongs to (padding: -1)."""
+    kv_indices: torch.Tensor
+    """[C] int64: every request's context, packed (padding: scratch slot 0)."""
+    kv_req: torch.Tensor
+    """[C] int64 (padding: -1, so padding tokens see padding keys and no NaN appears)."""
+    kv_pos: torch.Tensor
+    """[C] int64: position of each key within its request."""
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    logits_rows: torch.Tensor
+    """[bs] int64: rows whose hidden state reaches lm_head (the last token of each request)."""
+    attn: DecodeAttention | ExtendAttention
+    adapter_names: tuple[str | None, ...] = ()
+    """Per request; None: the base model."""
+    extend_lens: tuple[int, ...] = ()
+    """Token rows per request (1 each in decode)."""
+    seq_lens: tuple[int, ...] = field(default=())
+    """Context length per request after this forward."""
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.adapter_names)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def has_adapters(self) -> bool:
+        return any(n is not None for n in self.adapter_names)
+
+    def __post_init__(self) -> None:
+        if len(self.extend_lens) != len(self.adapter_names):
+            raise ValueError(f"extend_lens has {len(self.extend_lens)} entries for "
+                             f"{len(self.adapter_names)} requests")
+        if sum(self.extend_lens) != self.num_tokens:
+            raise ValueError(f"extend_lens sum to {sum(self.extend_lens)} but the batch has "
+                             f"{self.num_tokens} tokens")
+        if self.mode is ForwardMode.DECODE and any(n != 1 for n in self.extend_lens):
+            raise ValueError("a decode batch has exactly one token per request")
+
+    @staticmethod
+    def idle(lora_manager: LoRAManager | None, device) -> ForwardBatch:
+        """An empty batch. Resets the LoRA batch state: nothing may read the previous one."""
+        if lora_manager is not None:
+            lora_manager.reset_lora_batch()
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return ForwardBatch(
+            ForwardMode.IDLE, empty, empty, empty, empty,
+            DecodeAttention(torch.empty(0, 1, dtype=torch.long, device=device), empty),
+        )

@@ -1,0 +1,36 @@
+"""Token-slot KV cache: per layer ``[slots, kv_heads, head_dim]``; slot 0 is scratch (padding
+rows and idle forwards write there), so a graph replay's padding never touches a request."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_runtime.model.config import LlamaConfig
+
+
+class KVCache:
+    SCRATCH = 0
+
+    def __init__(self, config: LlamaConfig, max_tokens: int, dtype: torch.dtype, device) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        shape = (max_tokens + 1, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self._free = list(range(max_tokens, 0, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV cache full: {n} slots requested, {len(self._free)} free. "
+                               "Finish requests or build the runtime with a larger max_tokens")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        if any(s == self.SCRATCH for s in slots):
+            raise ValueError("slot 0 is the scratch slot and is never allocated")
+        self._free.extend(reversed(slots))

@@ -1,0 +1,78 @@
+"""Guarded LoRA layers: each wraps a base layer and adds its LoRA term only while
+``lora_active`` (``set_lora and backend.batch_info is not None``, contract 2).
+
+Gating on ``set_lora`` alone would run LoRA in an idle forward with no (or stale) metadata.
+Without tensor parallelism, column- and row-parallel wrappers compute the same thing; they
+stay distinct types so a module map reads like a serving engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import LoRAWeights
+from lora_runtime.backends import LoRABackend, RowSet
+
+
+class LoRALayer(nn.Module):
+    rows = RowSet.TOKENS
+
+    def __init__(self, base: nn.Module, backend: LoRABackend, weights: LoRAWeights) -> None:
+        super().__init__()
+        self.base = base
+        self.backend = backend
+        self.lora = weights
+        self.set_lora = True
+
+    @property
+    def lora_active(self) -> bool:
+        return self.set_lora and self.backend.batch_info is not None
+
+
+class LinearWithLoRA(LoRALayer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.lora_active:
+            self.backend.run_linear(x.contiguous(), y, self.lora, self.rows)
+        return y
+
+
+class ColumnLinearWithLoRA(LinearWithLoRA):
+    pass
+
+
+class RowLinearWithLoRA(LinearWithLoRA):
+    """o_proj, down_proj."""
+
+
+class QKVLinearWithLoRA(LinearWithLoRA):
+    """Fused q, k, v: three slices of unequal width (GQA), each with its own rank/scaling."""
+
+
+class MergedColumnLinearWithLoRA(LinearWithLoRA):
+    """Fused gate, up: two slices of equal width."""
+
+
+class LMHeadWithLoRA(LinearWithLoRA):
+    """lm_head runs on the logits rows (one per request), so it reads the lm_head pass."""
+
+    rows = RowSet.LOGITS
+
+
+class VocabEmbeddingWithLoRA(LoRALayer):
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        y = self.base(token_ids)
+        if self.lora_active:
+            self.backend.run_embedding(token_ids, y, self.lora)
+        return y
+
+
+WRAPPERS = {
+    "embed_tokens": VocabEmbeddingWithLoRA,
+    "qkv_proj": QKVLinearWithLoRA,
+    "o_proj": RowLinearWithLoRA,
+    "gate_up_proj": MergedColumnLinearWithLoRA,
+    "down_proj": RowLinearWithLoRA,
+    "lm_head": LMHeadWithLoRA,
+}

@@ -1,0 +1,199 @@
+"""``LoRAManager``: wraps the model's target modules, keeps adapters in host memory, moves
+them into GPU slots on demand, and prepares or resets the backend's batch state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels import LoRAWeights, plan_segments
+from lora_runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
+from lora_runtime.backends import make_backend
+from lora_runtime.batch_info import (
+    DECODE_BLOCK_M,
+    EXTEND_BLOCK_M,
+    LOGITS_BLOCK_M,
+    LoRABatchPlan,
+)
+from lora_runtime.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.layers import WRAPPERS
+from lora_runtime.lora_config import LoRAConfig
+from lora_runtime.model.config import PEFT_TARGETS
+from lora_runtime.model.llama import LlamaForCausalLM
+from lora_runtime.slot_pool import SlotPool, SlotPoolError
+
+SLICES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "o_proj": ("o_proj",),
+    "down_proj": ("down_proj",),
+    "embed_tokens": ("embed_tokens",),
+    "lm_head": ("lm_head",),
+}
+
+
+class LoRAManager:
+    def __init__(self, model: LlamaForCausalLM, config: LoRAConfig) -> None:
+        self.model, self.config = model, config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.backend = make_backend(config.backend, config.max_loras_per_batch, self.device)
+        self.neutral_slot = self.backend.neutral_slot
+        self.weights: dict[tuple[int | None, str], LoRAWeights] = {}
+        self.pool = SlotPool(config.max_loras_per_batch)
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._in_batch: set[str] = set()
+        self._wrap_modules()
+
+    # -- batch state (contracts 1 and 3) ------------------------------------------------------
+    def prepare_lora_batch(self, batch: ForwardBatch) -> None:
+        """Sets the backend's batch state for this forward. A batch without adapters (or an
+        idle one) resets it instead, so its forward runs no LoRA launch at all."""
+        if batch.mode is ForwardMode.IDLE or not batch.has_adapters:
+            self.reset_lora_batch()
+            return
+        self.backend.prepare(self.plan_lora_batch(batch))
+
+    def reset_lora_batch(self) -> None:
+        self.backend.reset_batch_state()
+        self._in_batch = set()
+
+    def plan_lora_batch(self, batch: ForwardBatch) -> LoRABatchPlan:
+        """Moves the batch's adapters into slots (evicting LRU ones) and plans its layouts.
+        Raises, changing nothing, when an adapter is unknown or they cannot all fit."""
+        names = batch.adapter_names
+        unknown = sorted({n for n in names if n is not None and n not in self.adapters})
+        if unknown:
+            raise KeyError(f"the batch names adapters that are not loaded: {unknown}. Call "
+                           "LoRAManager.load_adapter(name, path) first")
+        self._acquire({n for n in names if n is not None})
+        slots = [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
+        block_m = DECODE_BLOCK_M if batch.mode is ForwardMode.DECODE else EXTEND_BLOCK_M
+        plan = LoRABatchPlan(
+            plan_segments(slots, batch.extend_lens, block_m=block_m, skip_slot=self.neutral_slot),
+            plan_segments(slots, None, block_m=LOGITS_BLOCK_M, skip_slot=self.neutral_slot),
+        )
+        self._in_batch = {n for n in names if n is not None}
+        return plan
+
+    # -- adapters ---------------------------------------------------------------------------
+    def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
+                     pinned: bool = False) -> None:
+        """Validates ``source`` (a PEFT folder or an adapter) and registers it. With ``pinned``
+        it also takes a slot now and is never evicted. On any error nothing changes."""
+        if name in self.adapters:
+            raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
+        adapter = source if isinstance(source, LoRAAdapter) else load_peft_adapter(source, name)
+        adapter.validate(self.model.config, self.config.max_rank, self.config.target_modules)
+        self._check_base_layers(adapter)
+        adapter = adapter.to(self.dtype)
+        if pinned:
+            try:
+                [(slot, _, _)] = self.pool.plan([name])
+            except SlotPoolError as e:
+                raise AdapterError(f"cannot pin {name!r}: {e}") from e
+        self.adapters[name] = adapter
+        if pinned:
+            self._write_slot(slot, name)
+            self.pool.pinned.add(name)
+
+    @torch.no_grad()
+    def _check_base_layers(self, adapter: LoRAAdapter) -> None:
+        own = {"embed_tokens": self.model.model.embed_tokens, "lm_head": self.model.lm_head}
+        for target, t in adapter.base_layers.items():
+            layer = own[target]
+            w = getattr(layer, "base", layer).weight
+            if not torch.allclose(t.to(w.device, torch.float32), w.float(), rtol=1e-2, atol=1e-3):
+                raise AdapterError(
+                    f"adapter {adapter.name!r} carries its own {target} weights that differ "
+                    "from the model's (a resized or trained vocabulary); this runtime serves "
+                    "LoRA deltas on one shared base model only"
+                )
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})")
+        if name in self._in_batch:
+            raise RuntimeError(f"adapter {name!r} is used by the prepared batch; finish or reset "
+                               "the batch (reset_lora_batch) before unloading it")
+        slot = self.pool.release(name)
+        if slot is not None:
+            self._clear_slot(slot)
+        del self.adapters[name]
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        if name not in self.adapters:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        if pinned:
+            self._acquire({name})
+            self.pool.pinned.add(name)
+        else:
+            self.pool.pinned.discard(name)
+
+    # -- slots ------------------------------------------------------------------------------
+    def _acquire(self, names: set[str]) -> None:
+        for slot, name, _evicted in self.pool.plan(names):
+            self._write_slot(slot, name)
+        self.pool.touch(names)
+
+    @torch.no_grad()
+    def _write_slot(self, slot: int, name: str) -> None:
+        adapter = self.adapters[name]
+        for (layer, module), w in self.weights.items():
+            r_max = w.max_rank
+            for s, target in enumerate(SLICES[module]):
+                m = adapter.modules.get((layer, target))
+                r = 0 if m is None else m.rank
+                lo, hi = w.slice_bounds[s], w.slice_bounds[s + 1]
+                if w.is_embedding:
+                    w.lora_a[slot].zero_()
+                    w.lora_b[slot].zero_()
+                    if m is not None:
+                        w.lora_a[slot, :, :r].copy_(m.a.t())
+                        w.lora_b[slot, :, :r].copy_(m.b)
+                else:
+                    w.lora_a[slot, s * r_max : (s + 1) * r_max].zero_()
+                    w.lora_b[slot, lo:hi].zero_()
+                    if m is not None:
+                        w.lora_a[slot, s * r_max : s * r_max + r].copy_(m.a)
+                        w.lora_b[slot, lo:hi, :r].copy_(m.b)
+                w.ranks[slot, s] = r
+                w.scalings[slot, s] = 0.0 if m is None else m.scaling
+        self.pool.assign(slot, name)
+
+    @torch.no_grad()
+    def _clear_slot(self, slot: int) -> None:
+        for w in self.weights.values():
+            w.ranks[slot].zero_()
+            w.scalings[slot].zero_()
+
+    # -- model surgery ----------------------------------------------------------------------
+    def _wrap_modules(self) -> None:
+        cfg, n = self.model.config, self.config.max_loras_per_batch
+        wanted = self.config.runtime_modules
+        for layer_idx, layer in enumerate(self.model.model.layers):
+            for parent, module in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                   (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+                if module in wanted:
+                    shape = cfg.module_shape(module)
+                    w = LoRAWeights.for_linear(n, shape.in_features, shape.slice_widths,
+                                               self.config.max_rank, self.dtype, self.device)
+                    self._wrap(parent, module, (layer_idx, module), w)
+        if "embed_tokens" in wanted:
+            w = LoRAWeights.for_embedding(n, cfg.vocab_size, cfg.hidden_size,
+                                          self.config.max_rank, self.dtype, self.device)
+            self._wrap(self.model.model, "embed_tokens", (None, "embed_tokens"), w)
+        if "lm_head" in wanted:
+            w = LoRAWeights.for_linear(n, cfg.hidden_size, (cfg.vocab_size,),
+                                       self.config.max_rank, self.dtype, self.device)
+            self._wrap(self.model, "lm_head", (None, "lm_head"), w)
+
+    def _wrap(self, parent: nn.Module, attr: str, key, weights: LoRAWeights) -> None:
+        base = getattr(parent, attr)
+        setattr(parent, attr, WRAPPERS[attr](base, self.backend, weights))
+        self.weights[key] = weights
+
+
+assert set(SLICES) == {m for m, _ in PEFT_TARGETS.values()}

@@ -1,0 +1,90 @@
+"""Loading Hugging Face Llama checkpoints (``config.json`` + safetensors, sharded or not)
+into this runtime's fused layout (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lora_runtime.model.config import LlamaConfig
+from lora_runtime.model.llama import LlamaForCausalLM
+
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_FUSED = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2), "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is missing: not a Hugging Face checkpoint folder")
+    config = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    model = LlamaForCausalLM.empty(config, dtype, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if _IGNORED.search(key):
+                    continue
+                target, rows = _destination(key, config)
+                if target not in params:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {key!r} (not part of "
+                                          "a Llama model)")
+                dest = params[target].data if rows is None else params[target].data[rows]
+                t = f.get_tensor(key)
+                if tuple(t.shape) != tuple(dest.shape):
+                    raise CheckpointError(f"{file.name}: {key} has shape {tuple(t.shape)}, "
+                                          f"expected {tuple(dest.shape)} from config.json")
+                dest.copy_(t.to(dtype))
+                filled.add(key)
+    _check_complete(filled, config)
+    return model
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {path} (PyTorch .bin checkpoints are not "
+                              "read: convert them to safetensors)")
+    return files
+
+
+def _destination(key: str, config: LlamaConfig) -> tuple[str, slice | None]:
+    m = re.match(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$", key)
+    if m and m.group(3) in _FUSED:
+        fused, s = _FUSED[m.group(3)]
+        bounds = config.module_shape(fused.split(".")[1]).slice_widths
+        lo = sum(bounds[:s])
+        return f"model.layers.{m.group(1)}.{fused}.weight", slice(lo, lo + bounds[s])
+    return key, None
+
+
+def _check_complete(filled: set[str], config: LlamaConfig) -> None:
+    want = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        want.add("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        want |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"}
+        want |= {f"{p}.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        want |= {f"{p}.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    missing = sorted(want - filled)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

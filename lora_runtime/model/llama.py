@@ -1,0 +1,99 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, GQA with a KV cache, SwiGLU). Plain
+``nn.Linear``/``nn.Embedding`` layers; ``LoRAManager`` wraps the target modules."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_runtime.forward_batch import ForwardBatch
+from lora_runtime.model.attention import LlamaAttention
+from lora_runtime.model.config import LlamaConfig
+from lora_runtime.model.layers import RMSNorm, RotaryEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, batch: ForwardBatch, kv) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, kv)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        """Logits (float32) of the rows in ``batch.logits_rows``."""
+        hidden = self.model(batch, kv)
+        return self.lm_head(hidden[batch.logits_rows].contiguous()).float()
+
+    @staticmethod
+    def empty(config: LlamaConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
+        """Uninitialised weights on ``device`` (no host copy, no init cost), rotary filled."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = model.to_empty(device=device).to(dtype)
+        model.model.rotary.cos = model.model.rotary.cos.float()
+        model.model.rotary.sin = model.model.rotary.sin.float()
+        model.model.rotary.fill()
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    @staticmethod
+    def random(config: LlamaConfig, dtype: torch.dtype, device, seed: int = 0):
+        return LlamaForCausalLM.empty(config, dtype, device).init_random(seed)
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
+        """Random weights (benchmarks, tests): normal(0, std) matrices, norms near one."""
+        for i, (name, p) in enumerate(self.named_parameters()):
+            g = torch.Generator(device=p.device).manual_seed(seed * 1000 + i)
+            noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(noise * std)
+        return self

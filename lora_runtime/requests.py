@@ -1,0 +1,88 @@
+"""A generation request and the batches built from requests (host lists -> device tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_runtime.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch, ForwardMode
+from lora_runtime.kv_cache import KVCache
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    adapter: str | None = None
+    max_new_tokens: int = 16
+    output: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a request needs a non-empty prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+def build_extend(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
+    """Every token of each request not yet in the cache (a prefill, or a continuation)."""
+    ids, pos, loc, token_req, kv_idx, kv_req, kv_pos, lens = [], [], [], [], [], [], [], []
+    for i, r in enumerate(reqs):
+        prefix = len(r.kv_slots)
+        new = r.tokens[prefix:]
+        if not new:
+            raise ValueError(f"request {i} has nothing to extend")
+        slots = kv.alloc(len(new))
+        r.kv_slots.extend(slots)
+        ids += new
+        pos += range(prefix, prefix + len(new))
+        loc += slots
+        token_req += [i] * len(new)
+        kv_idx += r.kv_slots
+        kv_req += [i] * len(r.kv_slots)
+        kv_pos += range(len(r.kv_slots))
+        lens.append(len(new))
+    ends = torch.tensor(lens).cumsum(0) - 1
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return ForwardBatch(
+        ForwardMode.EXTEND, t(ids), t(pos), t(loc), ends.to(device),
+        ExtendAttention(t(token_req), t(kv_idx), t(kv_req), t(kv_pos)),
+        tuple(r.adapter for r in reqs), tuple(lens), tuple(len(r.kv_slots) for r in reqs),
+    )
+
+
+def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
+    """One token per request: the last sampled one, not yet in the cache."""
+    for i, r in enumerate(reqs):
+        if len(r.kv_slots) != len(r.tokens) - 1:
+            raise ValueError(f"request {i} is not ready to decode: {len(r.tokens)} tokens, "
+                             f"{len(r.kv_slots)} cached")
+    slots = kv.alloc(len(reqs))
+    for r, s in zip(reqs, slots, strict=True):
+        r.kv_slots.append(s)
+    ctx = max((len(r.kv_slots) for r in reqs), default=1)
+    table = [r.kv_slots + [KVCache.SCRATCH] * (ctx - len(r.kv_slots)) for r in reqs]
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    bs = len(reqs)
+    return ForwardBatch(
+        ForwardMode.DECODE, t([r.tokens[-1] for r in reqs]),
+        t([len(r.kv_slots) - 1 for r in reqs]), t(slots), t(list(range(bs))),
+        DecodeAttention(t(table).reshape(bs, ctx), t([len(r.kv_slots) for r in reqs])),
+        tuple(r.adapter for r in reqs), (1,) * bs, tuple(len(r.kv_slots) for r in reqs),
+    )
+
+
+def release(reqs: Sequence[Request], kv: KVCache) -> None:
+    for r in reqs:
+        kv.free(r.kv_slots)
+        r.kv_slots = []

@@ -1,0 +1,79 @@
+"""Building tiny runtimes and the dense merged-weights reference for tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from lora_runtime.adapters import LoRAAdapter
+from lora_runtime.kv_cache import KVCache
+from lora_runtime.lora_config import LoRAConfig
+from lora_runtime.manager import LoRAManager
+from lora_runtime.model.config import LlamaConfig
+from lora_runtime.model.llama import LlamaForCausalLM
+from lora_runtime.model_runner import ModelRunner
+from lora_runtime.requests import Request, build_extend, release
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "embed_tokens", "lm_head")
+
+
+def make_runtime(config: LlamaConfig, *, dtype, device, backend="torch", slots=4, max_rank=16,
+                 targets=ALL_TARGETS, kv_tokens=512, seed=0, model=None):
+    model = model or LlamaForCausalLM.random(config, dtype, device, seed=seed)
+    lora = LoRAManager(model, LoRAConfig(slots, max_rank, tuple(targets), backend))
+    return ModelRunner(model, KVCache(config, kv_tokens, dtype, device), lora)
+
+
+@torch.no_grad()
+def merged_model(base: LlamaForCausalLM, adapter: LoRAAdapter | None) -> LlamaForCausalLM:
+    """A plain model whose weights are ``W + s * B @ A`` of ``adapter`` (unwrapped copy)."""
+    model = copy.deepcopy(_unwrapped(base))
+    if adapter is None:
+        return model
+    cfg = model.config
+    for (layer, target), m in adapter.modules.items():
+        delta = m.scaling * (m.b.double() @ m.a.double())
+        if target == "embed_tokens":
+            w = model.model.embed_tokens.weight
+            w += delta.t().to(w.dtype).to(w.device)
+            continue
+        if target == "lm_head":
+            model.lm_head.weight += delta.to(model.lm_head.weight.dtype).to(
+                model.lm_head.weight.device)
+            continue
+        blk = model.model.layers[layer]
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}[target]
+        parent = blk.self_attn if fused[0] in ("qkv_proj", "o_proj") else blk.mlp
+        mod = getattr(parent, fused[0])
+        widths = cfg.module_shape(fused[0]).slice_widths
+        lo = sum(widths[: fused[1]])
+        rows = mod.weight[lo : lo + widths[fused[1]]]
+        rows += delta.to(rows.dtype).to(rows.device)
+    return model
+
+
+def _unwrapped(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A deep copy with every LoRA wrapper replaced by its base layer."""
+    clone = copy.deepcopy(model)
+    for parent in [clone.model, clone] + [m for layer in clone.model.layers
+                                           for m in (layer.self_attn, layer.mlp)]:
+        for name, child in list(parent.named_children()):
+            if hasattr(child, "base") and hasattr(child, "lora"):
+                setattr(parent, name, child.base)
+    if clone.config.tie_word_embeddings:
+        clone.lm_head.weight = clone.model.embed_tokens.weight
+    return clone
+
+
+def reference_logits(model: LlamaForCausalLM, tokens: list[int], dtype, device) -> torch.Tensor:
+    """Last-position logits of ``tokens`` run from scratch through a plain model."""
+    kv = KVCache(model.config, len(tokens) + 1, dtype, device)
+    runner = ModelRunner(model, kv, None)
+    req = Request(list(tokens), None, 1)
+    logits = runner.forward_eager(build_extend([req], kv, device))
+    release([req], kv)
+    return logits[0]

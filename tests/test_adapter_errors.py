@@ -1,0 +1,202 @@
+"""Bad input gets a clear error and leaves the pool exactly as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import DEVICE
+from runtime_helpers import make_runtime
+from safetensors.torch import load_file, save_file
+
+from lora_runtime.adapters import AdapterError, random_adapter, save_peft_adapter
+from lora_runtime.model.config import tiny
+from lora_runtime.requests import Request, build_extend
+
+CFG = tiny()
+
+
+@pytest.fixture
+def runner():
+    r = make_runtime(CFG, dtype=torch.float32, device=DEVICE, slots=2, max_rank=8,
+                     targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj"))
+    r.lora.load_adapter("resident", random_adapter(CFG, "resident", 4, seed=1), pinned=True)
+    r.lora.load_adapter("other", random_adapter(CFG, "other", 8, seed=2))
+    return r
+
+
+def _snapshot(lora):
+    return (
+        sorted(lora.adapters), list(lora.pool.owner), dict(lora.pool.slot_of),
+        set(lora.pool.pinned),
+        [(w.lora_a.clone(), w.lora_b.clone(), w.ranks.clone(), w.scalings.clone())
+         for w in lora.weights.values()],
+        lora.backend.batch_info,
+    )
+
+
+def _assert_unchanged(lora, before):
+    after = _snapshot(lora)
+    assert after[:4] == before[:4]
+    for (a0, b0, r0, s0), (a1, b1, r1, s1) in zip(before[4], after[4], strict=True):
+        assert torch.equal(a0, a1) and torch.equal(b0, b1)
+        assert torch.equal(r0, r1) and torch.equal(s0, s1)
+    assert after[5] is before[5]
+
+
+def _saved(tmp_path, **kw):
+    ad = random_adapter(CFG, "x", 4, seed=3, **kw)
+    save_peft_adapter(ad, tmp_path / "x")
+    return tmp_path / "x"
+
+
+def _without(name):
+    def make(tmp):
+        path = _saved(tmp)
+        (path / name).unlink()
+        return path
+    return make
+
+
+def _overwrite(name, data: bytes):
+    def make(tmp):
+        path = _saved(tmp)
+        (path / name).write_bytes(data)
+        return path
+    return make
+
+
+CASES = {
+    "missing folder": (lambda p: p / "nope", "not a directory"),
+    "missing config": (_without("adapter_config.json"), "adapter_config.json is missing"),
+    "missing weights": (_without("adapter_model.safetensors"),
+                        "adapter_model.safetensors is missing"),
+    "corrupt config": (_overwrite("adapter_config.json", b"{r: 4,"), "not valid JSON"),
+    "corrupt weights": (_overwrite("adapter_model.safetensors", b"\x10\x00\x00\x00garbage"),
+                        "could not be read"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_files(runner, tmp_path, case):
+    make, msg = CASES[case]
+    path = make(tmp_path)
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=msg):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+def _edit_weights(path, fn):
+    f = path / "adapter_model.safetensors"
+    t = load_file(str(f))
+    fn(t)
+    save_file(t, str(f))
+
+
+def test_rank_above_max_rank(runner):
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=r"rank 16 exceeds max_rank 8.*max_rank>=16"):
+        runner.lora.load_adapter("big", random_adapter(CFG, "big", 16))
+    _assert_unchanged(runner.lora, before)
+
+
+def test_unknown_target_module_in_config(runner, tmp_path):
+    path = _saved(tmp_path)
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "attn_out"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="unknown target module 'attn_out'"):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+def test_target_not_enabled_in_runtime(runner):
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="without LoRA on 'lm_head'.*target_modules"):
+        runner.lora.load_adapter("h", random_adapter(CFG, "h", 4, ("lm_head",)))
+    _assert_unchanged(runner.lora, before)
+
+
+def test_shape_mismatch(runner, tmp_path):
+    path = _saved(tmp_path)
+    key = "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight"
+    _edit_weights(path, lambda t: t.__setitem__(key, torch.randn(63, 4)))
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=r"o_proj: lora_B has shape \(63, 4\), expected \(64, 4\)"):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights(runner, tmp_path, bad):
+    path = _saved(tmp_path)
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+
+    def poison(t):
+        t[key][2, 5] = bad
+
+    _edit_weights(path, poison)
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="down_proj: lora_A contains NaN or Inf"):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+def test_duplicate_name(runner):
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="already loaded"):
+        runner.lora.load_adapter("other", random_adapter(CFG, "other", 2))
+    _assert_unchanged(runner.lora, before)
+
+
+def test_batch_naming_an_adapter_not_loaded(runner):
+    before = _snapshot(runner.lora)
+    reqs = [Request([1, 2], "resident"), Request([3], "ghost")]
+    batch = build_extend(reqs, runner.kv, DEVICE)
+    with pytest.raises(KeyError, match=r"not loaded: \['ghost'\].*load_adapter"):
+        runner.lora.prepare_lora_batch(batch)
+    _assert_unchanged(runner.lora, before)
+
+
+def test_more_distinct_adapters_than_slots(runner):
+    runner.lora.load_adapter("third", random_adapter(CFG, "third", 2, seed=4))
+    before = _snapshot(runner.lora)
+    reqs = [Request([1], n) for n in ("resident", "other", "third")]
+    with pytest.raises(RuntimeError, match="3 distinct adapters but the pool has 2 slots"):
+        runner.lora.prepare_lora_batch(build_extend(reqs, runner.kv, DEVICE))
+    _assert_unchanged(runner.lora, before)
+
+
+def test_no_slot_left_because_of_pins_and_batch(runner):
+    runner.lora.load_adapter("third", random_adapter(CFG, "third", 2, seed=4))
+    runner.lora.prepare_lora_batch(build_extend([Request([1], "other")], runner.kv, DEVICE))
+    runner.lora.pin_adapter("other")
+    before = _snapshot(runner.lora)
+    with pytest.raises(RuntimeError, match="every slot holds an adapter of this batch or a pinned"):
+        runner.lora.prepare_lora_batch(build_extend([Request([2], "third")], runner.kv, DEVICE))
+    _assert_unchanged(runner.lora, before)
+
+
+def test_unsupported_peft_features(runner, tmp_path):
+    for key, value, msg in (("use_dora", True, "DoRA"), ("bias", "all", "bias='all'"),
+                            ("modules_to_save", ["lm_head"], "modules_to_save")):
+        path = _saved(tmp_path / key)
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg[key] = value
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(AdapterError, match=msg):
+            runner.lora.load_adapter("x", path)
+    assert "x" not in runner.lora.adapters
+
+
+def test_unloading_an_adapter_of_the_prepared_batch_is_refused(runner):
+    runner.lora.prepare_lora_batch(build_extend([Request([1], "other")], runner.kv, DEVICE))
+    with pytest.raises(RuntimeError, match="used by the prepared batch"):
+        runner.lora.unload_adapter("other")
+    runner.lora.reset_lora_batch()
+    runner.lora.unload_adapter("other")
+    assert "other" not in runner.lora.adapters and "other" not in runner.lora.pool.slot_of

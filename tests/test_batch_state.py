@@ -1,0 +1,95 @@
+"""The batch-metadata lifecycle (contracts 1-3, 6): None until prepared, reset clears all
+per-batch state, idle batches reset, layers gate on lora_active, base-only batches run no LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from runtime_helpers import ALL_TARGETS, make_runtime
+
+from lora_runtime.adapters import random_adapter
+from lora_runtime.backends import BACKENDS
+from lora_runtime.forward_batch import ForwardBatch
+from lora_runtime.model.config import tiny
+from lora_runtime.requests import Request, build_decode, build_extend, release
+
+CFG = tiny()
+
+
+@pytest.fixture(params=["torch", "triton"])
+def runner(request):
+    r = make_runtime(CFG, dtype=torch.float32, device=DEVICE, backend=request.param, slots=2,
+                     max_rank=8, targets=ALL_TARGETS)
+    r.lora.load_adapter("a", random_adapter(CFG, "a", 4, ALL_TARGETS, seed=1, b_std=0.3))
+    return r
+
+
+def _lora_batch(runner):
+    return build_extend([Request([1, 2, 3], "a"), Request([4], None)], runner.kv, DEVICE)
+
+
+def test_backend_starts_unprepared_and_reset_restores_every_per_batch_field(runner):
+    backend = runner.lora.backend
+    fresh = BACKENDS[backend.name](backend.num_slots, DEVICE)
+    assert backend.batch_info is None and backend.logits_info is None
+    runner.forward_eager(_lora_batch(runner))
+    assert backend.batch_info is not None and backend.logits_info is not None
+    backend.reset_batch_state()
+    for key, value in vars(fresh).items():
+        if value is None or (hasattr(value, "__len__") and len(value) == 0):
+            now = getattr(backend, key)
+            assert now is None or (hasattr(now, "__len__") and len(now) == 0), (
+                f"reset_batch_state left per-batch state {key}={now!r}")
+
+
+def test_idle_batch_resets_and_idle_forward_runs_no_lora(runner, monkeypatch):
+    runner.forward_eager(_lora_batch(runner))
+    idle = ForwardBatch.idle(runner.lora, DEVICE)
+    assert runner.lora.backend.batch_info is None, "building an idle batch must reset"
+    monkeypatch.setattr(runner.lora.backend, "run_linear", _forbidden)
+    monkeypatch.setattr(runner.lora.backend, "run_embedding", _forbidden)
+    logits = runner.forward_eager(idle)
+    assert logits.shape == (0, CFG.vocab_size)
+
+
+def test_layers_gate_on_lora_active_not_set_lora(runner):
+    layer = runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.set_lora and not layer.lora_active
+    runner.lora.prepare_lora_batch(_lora_batch(runner))
+    assert layer.lora_active
+    runner.lora.reset_lora_batch()
+    assert not layer.lora_active
+    x = torch.randn(3, CFG.hidden_size, device=DEVICE)
+    torch.testing.assert_close(layer(x), layer.base(x))
+
+
+def test_unprepared_backend_refuses_with_the_fix(runner):
+    layer = runner.model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, CFG.intermediate_size, device=DEVICE)
+    with pytest.raises(RuntimeError, match="prepare_lora_batch"):
+        runner.lora.backend.run_linear(x, layer.base(x), layer.lora)
+
+
+def test_base_only_batch_runs_no_lora_launch(runner, monkeypatch):
+    monkeypatch.setattr(runner.lora.backend, "shrink", _forbidden)
+    monkeypatch.setattr(runner.lora.backend, "embedding_shrink", _forbidden)
+    batch = build_extend([Request([1, 2]), Request([3])], runner.kv, DEVICE)
+    runner.forward_eager(batch)
+    assert runner.lora.backend.batch_info is None
+
+
+def test_stale_metadata_is_caught_not_computed_with(runner):
+    """If a caller skips prepare, the previous batch's metadata does not fit this batch and
+    the launch refuses, naming the fix, rather than reading out of bounds."""
+    reqs = [Request([1, 2, 3], "a")]
+    runner.forward_eager(build_extend(reqs, runner.kv, DEVICE))
+    reqs[0].output.append(5)
+    batch = build_decode(reqs, runner.kv, DEVICE)
+    with torch.no_grad(), pytest.raises(ValueError, match="stale"):
+        runner.model(batch, runner.kv)  # the model forward without prepare_lora_batch
+    release(reqs, runner.kv)
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("LoRA ran where it must not")

@@ -1,0 +1,53 @@
+"""LRU eviction: never an adapter of the batch being prepared, never a pinned one; a reloaded
+adapter in another slot still computes with its own weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from runtime_helpers import make_runtime, merged_model, reference_logits
+
+from lora_runtime.adapters import random_adapter
+from lora_runtime.model.config import tiny
+from lora_runtime.requests import Request, build_extend, release
+from lora_runtime.slot_pool import SlotPool, SlotPoolError
+
+CFG = tiny()
+
+
+def test_lru_order_pins_and_batch_members():
+    pool = SlotPool(2)
+    for names in (["a"], ["b"]):
+        for slot, name, _ in pool.plan(names):
+            pool.assign(slot, name)
+        pool.touch(names)
+    [(slot, name, evicted)] = pool.plan(["c"])
+    assert (name, evicted) == ("c", "a"), "a is least recently used"
+    pool.pinned.add("a")
+    [(_, _, evicted)] = pool.plan(["c"])
+    assert evicted == "b", "a pinned: b goes instead"
+    with pytest.raises(SlotPoolError, match="every slot holds"):
+        pool.plan(["b", "c"])  # b is in this batch, a is pinned: c has nowhere to go
+    with pytest.raises(SlotPoolError, match="3 distinct adapters"):
+        pool.plan(["a", "b", "c"])
+    assert pool.owner == ["a", "b"], "plan() changes nothing"
+
+
+def test_evicted_and_reloaded_adapter_uses_its_own_weights():
+    runner = make_runtime(CFG, dtype=torch.float32, device=DEVICE, backend="triton", slots=2,
+                          max_rank=8)
+    ads = {n: random_adapter(CFG, n, 2 + 2 * i, seed=i, b_std=0.3)
+           for i, n in enumerate(["a", "b", "c"])}
+    for n, ad in ads.items():
+        runner.lora.load_adapter(n, ad)
+    prompt = [3, 1, 4, 1, 5]
+    for order in (["a", "b"], ["c"], ["a"], ["b", "c"], ["a"]):
+        reqs = [Request(prompt, n) for n in order]
+        logits = runner.forward_eager(build_extend(reqs, runner.kv, DEVICE))
+        release(reqs, runner.kv)
+        for n, row in zip(order, logits, strict=True):
+            ref = reference_logits(merged_model(runner.model, ads[n]), prompt, torch.float32,
+                                   DEVICE)
+            torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4, msg=f"{order}: {n}")
+    assert set(runner.lora.pool.slot_of) <= {"a", "b", "c"}
