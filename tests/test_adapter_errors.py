@@ -126,7 +126,8 @@ def test_shape_mismatch(runner, tmp_path):
     key = "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight"
     _edit_weights(path, lambda t: t.__setitem__(key, torch.randn(63, 4)))
     before = _snapshot(runner.lora)
-    with pytest.raises(AdapterError, match=r"o_proj: lora_B has shape \(63, 4\), expected \(64, 4\)"):
+    msg = r"o_proj: lora_B has shape \(63, 4\), expected \(64, 4\)"
+    with pytest.raises(AdapterError, match=msg):
         runner.lora.load_adapter("x", path)
     _assert_unchanged(runner.lora, before)
 

@@ -42,7 +42,8 @@ def _hf_config(tied: bool, llama3_rope: bool):
     return transformers.LlamaConfig(**kw)
 
 
-@pytest.fixture(scope="module", params=[(False, False), (True, True)], ids=["untied", "tied+llama3"])
+@pytest.fixture(scope="module", params=[(False, False), (True, True)],
+                ids=["untied", "tied+llama3"])
 def saved(request, tmp_path_factory):
     tied, llama3 = request.param
     root = tmp_path_factory.mktemp("hf")
@@ -103,6 +104,7 @@ def test_greedy_generations_agree(saved):
     for p, n, got in zip(prompts, names, ours, strict=True):
         ref_model = base if n is None else models[n]
         with torch.no_grad():
-            out = ref_model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=6, do_sample=False, pad_token_id=0)
+            out = ref_model.generate(
+                input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert got == out[0, len(p):].tolist(), f"adapter {n}"

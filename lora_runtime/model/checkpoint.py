@@ -36,7 +36,7 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
     filled: set[str] = set()
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 if _IGNORED.search(key):
                     continue
                 target, rows = _destination(key, config)
