@@ -17,7 +17,12 @@ class KVCache:
         shape = (max_tokens + 1, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self._free = list(range(max_tokens, 0, -1))
+        self.max_tokens = max_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        """Frees every slot (the cache contents stay; nothing reads a freed slot)."""
+        self._free = list(range(self.max_tokens, 0, -1))
 
     @property
     def free_slots(self) -> int:

@@ -1,4 +1,4 @@
-from lora_runtime.backends.base import LoRABackend, RowSet
+from lora_runtime.backends.base import LoRABackend, LoRAGraphBuffers, RowSet
 from lora_runtime.backends.torch_backend import TorchBackend
 from lora_runtime.backends.triton_backend import TritonBackend
 
@@ -11,4 +11,4 @@ def make_backend(name: str, num_slots: int, device) -> LoRABackend:
     return BACKENDS[name](num_slots, device)
 
 
-__all__ = ["BACKENDS", "LoRABackend", "RowSet", "TorchBackend", "TritonBackend", "make_backend"]
+__all__ = ["BACKENDS", "LoRABackend", "LoRAGraphBuffers", "RowSet", "TorchBackend", "TritonBackend", "make_backend"]

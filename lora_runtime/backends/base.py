@@ -11,6 +11,7 @@ Contract (see docs/contracts.md):
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,14 @@ class RowSet(enum.Enum):
     LOGITS = "logits"
 
 
+@dataclass
+class LoRAGraphBuffers:
+    """Static LoRA metadata of one graph runner: every graph it captures reads these."""
+
+    tokens: StaticSegmentLayout
+    logits: StaticSegmentLayout
+
+
 class LoRABackend:
     name = "base"
 
@@ -32,7 +41,6 @@ class LoRABackend:
         self.device = torch.device(device)
         self.batch_info: LoRABatchInfo | None = None
         self.logits_info: SegmentLayout | None = None  # derived per batch: the lm_head pass
-        self._static: tuple[StaticSegmentLayout, StaticSegmentLayout] | None = None
 
     # -- batch-state contract -------------------------------------------------------------
     def prepare(self, plan: LoRABatchPlan) -> None:
@@ -86,27 +94,23 @@ class LoRABackend:
         raise NotImplementedError
 
     # -- graph hooks ------------------------------------------------------------------------
-    def init_capture_buffers(self, max_rows: int, max_requests: int, block_m: int) -> None:
-        """Allocates the static metadata every captured graph reads (once per runner)."""
+    def init_capture_buffers(self, max_rows: int, max_requests: int,
+                             block_m: int) -> LoRAGraphBuffers:
+        """Static metadata for a graph runner (allocated once; the runner owns it)."""
         slots = self.num_slots + 1
-        self._static = (
+        return LoRAGraphBuffers(
             StaticSegmentLayout(max_rows, slots, block_m, self.neutral_slot, self.device),
             StaticSegmentLayout(max_requests, slots, LOGITS_BLOCK_M, self.neutral_slot,
                                 self.device),
         )
 
-    def prepare_for_capture(self, rows: int, requests: int) -> None:
+    def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int) -> None:
         """Points ``batch_info`` at the static buffers, neutral, for a capture of this size."""
-        self.prepare_for_replay(None, rows, requests)
+        self.prepare_for_replay(buffers, None, rows, requests)
 
-    def prepare_for_replay(self, plan: LoRABatchPlan | None, rows: int, requests: int) -> None:
+    def prepare_for_replay(self, buffers: LoRAGraphBuffers, plan: LoRABatchPlan | None,
+                           rows: int, requests: int) -> None:
         """Refreshes the static buffers in place (None: an idle batch, all neutral)."""
-        if self._static is None:
-            raise RuntimeError("init_capture_buffers() must run before capture or replay")
-        tokens, logits = self._static
-        tokens.write(None if plan is None else plan.rows, rows)
-        logits.write(None if plan is None else plan.logits_rows, requests)
-        self._set(LoRABatchInfo(tokens.view(rows)), logits.view(requests))
-
-    def static_layouts(self) -> tuple[StaticSegmentLayout, StaticSegmentLayout] | None:
-        return self._static
+        buffers.tokens.write(None if plan is None else plan.rows, rows)
+        buffers.logits.write(None if plan is None else plan.logits_rows, requests)
+        self._set(LoRABatchInfo(buffers.tokens.view(rows)), buffers.logits.view(requests))

@@ -1,0 +1,56 @@
+"""Two implementations of one capture/replay interface.
+
+``CudaGraph``: ``torch.cuda.CUDAGraph`` in a memory pool shared by all graphs of a runner,
+one eager warmup before the capture (compiles Triton kernels, warms cuBLAS).
+``TracedGraph``: ``make_fx`` traces the forward into aten ops (Triton launchers appear as one
+custom-op node each) and replays the trace. Like a CUDA graph it keeps *references* to the
+tensors it read, bakes Python scalars (grid sizes, counts) in as constants and resolves Python
+branches (``lora_active``) at capture time, so the stale-state hazards are real on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+class Replayable:
+    def replay(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CudaGraph(Replayable):
+    def __init__(self, fn: Callable[[], torch.Tensor], pool) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class TracedGraph(Replayable):
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self.module = make_fx(fn)()
+
+    def replay(self) -> torch.Tensor:
+        return self.module()
+
+
+def capture(fn: Callable[[], torch.Tensor], device: torch.device, pool=None) -> Replayable:
+    with torch.no_grad():
+        if device.type == "cuda":
+            return CudaGraph(fn, pool)
+        return TracedGraph(fn)
+
+
+def new_pool(device: torch.device):
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None

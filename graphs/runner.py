@@ -1,0 +1,125 @@
+"""``GraphRunner``: captures one graph per bucket (largest first), twice when LoRA is on (a
+graph with LoRA launches and one without), and replays the smallest bucket that fits.
+
+Replay contract (contracts 4-6): every tensor a replay reads is a static buffer refreshed in
+place just before it (the model inputs here, LoRA metadata through the backend's graph
+hooks); padding rows and idle replays leave LoRA neutral; a batch without adapters replays
+the graph without LoRA; an idle batch replays the LoRA graph (its data-parallel peers may
+run adapters) with neutral metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graphs.replayable import Replayable, capture, new_pool
+from graphs.static_batch import DecodeBuffers, PrefillBuffers
+from lora_runtime.backends import LoRAGraphBuffers
+from lora_runtime.batch_info import DECODE_BLOCK_M, EXTEND_BLOCK_M
+from lora_runtime.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.model_runner import ModelRunner
+
+LORA, BASE = "lora", "base"
+
+
+@dataclass
+class GraphStats:
+    capture_seconds: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int = 0
+    """Device memory the graphs hold (their pool), measured around the captures."""
+
+    @property
+    def total_capture_seconds(self) -> float:
+        return sum(self.capture_seconds.values())
+
+
+class GraphRunner:
+    def __init__(self, runner: ModelRunner, buffers: DecodeBuffers | PrefillBuffers) -> None:
+        self.runner, self.buffers = runner, buffers
+        self.device = runner.device
+        self.lora = runner.lora
+        self.graphs: dict[tuple[str, int], Replayable] = {}
+        self.lora_buffers: LoRAGraphBuffers | None = None
+        self.stats = GraphStats()
+        self.last_kind: str | None = None
+
+    @staticmethod
+    def decode(runner: ModelRunner, buckets: list[int], max_context: int) -> GraphRunner:
+        return GraphRunner(runner, DecodeBuffers(buckets, max_context, runner.device))
+
+    @staticmethod
+    def prefill(runner: ModelRunner, buckets: list[int], max_requests: int,
+                max_prefix: int = 0) -> GraphRunner:
+        return GraphRunner(runner, PrefillBuffers(buckets, max_requests, max_prefix,
+                                                  runner.device))
+
+    # -- capture ------------------------------------------------------------------------------
+    def capture(self) -> GraphRunner:
+        buf = self.buffers
+        kinds = [LORA, BASE] if self.lora is not None else [BASE]
+        if self.lora is not None:
+            block_m = DECODE_BLOCK_M if buf.mode is ForwardMode.DECODE else EXTEND_BLOCK_M
+            self.lora_buffers = self.lora.backend.init_capture_buffers(
+                buf.rows(buf.buckets[-1]), buf.requests(buf.buckets[-1]), block_m)
+        pool = new_pool(self.device)
+        before = _pool_bytes(self.device)
+        for bucket in reversed(buf.buckets):
+            for kind in kinds:
+                buf.write(None, bucket)
+                self._set_lora(kind, None, bucket)
+                batch = buf.view(bucket)
+                t0 = time.perf_counter()
+                self.graphs[(kind, bucket)] = capture(self._forward_of(batch), self.device, pool)
+                self.stats.capture_seconds[f"{kind}/{bucket}"] = time.perf_counter() - t0
+        self.stats.memory_bytes = _pool_bytes(self.device) - before
+        if self.lora is not None:
+            self.lora.reset_lora_batch()
+        self.runner.graphs.append(self)
+        return self
+
+    def _forward_of(self, batch: ForwardBatch):
+        model, kv = self.runner.model, self.runner.kv
+
+        def forward() -> torch.Tensor:
+            return model(batch, kv)
+
+        return forward
+
+    # -- replay -------------------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.buffers.bucket_for(batch) is not None
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's requests. The tensor is a view of a static output: valid
+        until the next replay."""
+        bucket = self.buffers.bucket_for(batch)
+        if bucket is None:
+            raise ValueError(f"no captured bucket fits this {batch.mode.value} batch "
+                             f"(buckets {self.buffers.buckets}); check can_run() first")
+        idle = batch.mode is ForwardMode.IDLE
+        kind = LORA if self.lora is not None and (idle or batch.has_adapters) else BASE
+        self.buffers.write(None if idle else batch, bucket)
+        self._set_lora(kind, None if idle else batch, bucket)
+        self.last_kind = kind
+        out = self.graphs[(kind, bucket)].replay()
+        return out[: batch.batch_size]
+
+    def _set_lora(self, kind: str, batch: ForwardBatch | None, bucket: int) -> None:
+        if self.lora is None:
+            return
+        if kind == BASE:
+            self.lora.reset_lora_batch()
+            return
+        plan = None if batch is None else self.lora.plan_lora_batch(batch)
+        self.lora.backend.prepare_for_replay(self.lora_buffers, plan, self.buffers.rows(bucket),
+                                             self.buffers.requests(bucket))
+
+
+def _pool_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_reserved(device)

@@ -1,0 +1,138 @@
+"""The static-buffer contract for the model's own inputs: allocated once at the largest
+bucket, refreshed in place before each replay, padding made harmless.
+
+Padding rows read token 0 at position 0, write their K/V to the scratch slot, attend only to
+scratch (decode) or to padding keys (prefill), so no request's cache or output is touched and
+no NaN appears. (LoRA metadata has its own static buffers, owned by the LoRA backend.)
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from lora_runtime.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch, ForwardMode
+from lora_runtime.kv_cache import KVCache
+
+PAD_REQ = -1
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor | None, n: int, end: int, pad: int) -> None:
+    if src is not None and n:
+        dst[:n].copy_(src)
+    if end > n:
+        dst[n:end].fill_(pad)
+
+
+class DecodeBuffers:
+    """Decode: one token per request; buckets are batch sizes."""
+
+    mode = ForwardMode.DECODE
+
+    def __init__(self, buckets: list[int], max_context: int, device) -> None:
+        self.buckets = sorted(set(buckets))
+        bs = self.buckets[-1]
+        self.max_context = max_context
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.out_cache_loc = z(bs), z(bs), z(bs)
+        self.logits_rows = torch.arange(bs, device=device)
+        self.kv_indices, self.kv_lens = z(bs, max_context), torch.ones(bs, dtype=torch.long,
+                                                                        device=device)
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        if batch.mode is ForwardMode.IDLE:
+            return self.buckets[0]
+        if batch.mode is not ForwardMode.DECODE:
+            return None
+        if batch.attn.kv_indices.shape[1] > self.max_context:
+            return None
+        i = bisect.bisect_left(self.buckets, batch.batch_size)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def rows(self, bucket: int) -> int:
+        return bucket
+
+    def requests(self, bucket: int) -> int:
+        return bucket
+
+    def view(self, bucket: int) -> ForwardBatch:
+        return ForwardBatch(
+            ForwardMode.DECODE, self.input_ids[:bucket], self.positions[:bucket],
+            self.out_cache_loc[:bucket], self.logits_rows[:bucket],
+            DecodeAttention(self.kv_indices[:bucket], self.kv_lens[:bucket]),
+            (None,) * bucket, (1,) * bucket,
+        )
+
+    def write(self, batch: ForwardBatch | None, bucket: int) -> None:
+        """Copies ``batch`` into the first rows (None: idle) and neutralises the rest."""
+        n = 0 if batch is None or batch.mode is ForwardMode.IDLE else batch.batch_size
+        b = None if n == 0 else batch
+        _put(self.input_ids, b and b.input_ids, n, bucket, 0)
+        _put(self.positions, b and b.positions, n, bucket, 0)
+        _put(self.out_cache_loc, b and b.out_cache_loc, n, bucket, KVCache.SCRATCH)
+        _put(self.kv_lens, b and b.attn.kv_lens, n, bucket, 1)
+        if n:
+            c = b.attn.kv_indices.shape[1]
+            self.kv_indices[:n, :c].copy_(b.attn.kv_indices)
+            self.kv_indices[:n, c:].fill_(KVCache.SCRATCH)
+        self.kv_indices[n:bucket].fill_(KVCache.SCRATCH)
+
+
+class PrefillBuffers:
+    """Prefill (extend): buckets are token counts; at most ``max_requests`` requests and
+    ``max_prefix`` cached tokens in total per batch."""
+
+    mode = ForwardMode.EXTEND
+
+    def __init__(self, buckets: list[int], max_requests: int, max_prefix: int, device) -> None:
+        self.buckets = sorted(set(buckets))
+        t = self.buckets[-1]
+        self.max_requests, self.max_prefix = max_requests, max_prefix
+        c = t + max_prefix
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.out_cache_loc = z(t), z(t), z(t)
+        self.token_req = torch.full((t,), PAD_REQ, dtype=torch.long, device=device)
+        self.logits_rows = z(max_requests)
+        self.kv_indices, self.kv_pos = z(c), z(c)
+        self.kv_req = torch.full((c,), PAD_REQ, dtype=torch.long, device=device)
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        if batch.mode is not ForwardMode.EXTEND or batch.batch_size > self.max_requests:
+            return None
+        if batch.attn.kv_indices.shape[0] - batch.num_tokens > self.max_prefix:
+            return None
+        i = bisect.bisect_left(self.buckets, batch.num_tokens)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def rows(self, bucket: int) -> int:
+        return bucket
+
+    def requests(self, bucket: int) -> int:
+        return self.max_requests
+
+    def view(self, bucket: int) -> ForwardBatch:
+        c = bucket + self.max_prefix
+        r = self.max_requests
+        return ForwardBatch(
+            ForwardMode.EXTEND, self.input_ids[:bucket], self.positions[:bucket],
+            self.out_cache_loc[:bucket], self.logits_rows,
+            ExtendAttention(self.token_req[:bucket], self.kv_indices[:c], self.kv_req[:c],
+                            self.kv_pos[:c]),
+            (None,) * r, (bucket,) + (0,) * (r - 1),
+        )
+
+    def write(self, batch: ForwardBatch | None, bucket: int) -> None:
+        t = 0 if batch is None else batch.num_tokens
+        n = 0 if batch is None else batch.batch_size
+        c = 0 if batch is None else batch.attn.kv_indices.shape[0]
+        b, a = batch, None if batch is None else batch.attn
+        _put(self.input_ids, b and b.input_ids, t, bucket, 0)
+        _put(self.positions, b and b.positions, t, bucket, 0)
+        _put(self.out_cache_loc, b and b.out_cache_loc, t, bucket, KVCache.SCRATCH)
+        _put(self.token_req, a and a.token_req, t, bucket, PAD_REQ)
+        _put(self.logits_rows, b and b.logits_rows, n, self.max_requests, 0)
+        end = bucket + self.max_prefix
+        _put(self.kv_indices, a and a.kv_indices, c, end, KVCache.SCRATCH)
+        _put(self.kv_req, a and a.kv_req, c, end, PAD_REQ)
+        _put(self.kv_pos, a and a.kv_pos, c, end, 0)
