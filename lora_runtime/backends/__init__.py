@@ -11,4 +11,12 @@ def make_backend(name: str, num_slots: int, device) -> LoRABackend:
     return BACKENDS[name](num_slots, device)
 
 
-__all__ = ["BACKENDS", "LoRABackend", "LoRAGraphBuffers", "RowSet", "TorchBackend", "TritonBackend", "make_backend"]
+__all__ = [
+    "BACKENDS",
+    "LoRABackend",
+    "LoRAGraphBuffers",
+    "RowSet",
+    "TorchBackend",
+    "TritonBackend",
+    "make_backend",
+]
