@@ -27,3 +27,11 @@ def bench(session: nox.Session) -> None:
     Extra arguments go to ``python -m bench`` (see ``nox -s bench -- --help``)."""
     session.install("-e", ".")
     session.run("python", "-m", "bench", *session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Fault injection: each protection against stale LoRA metadata, broken one at a time,
+    must make the stale-state tests fail. Prints killed/total; fails unless all are killed."""
+    session.install("-e", ".[test]")
+    session.run("python", "tests/mutants.py", *session.posargs)

@@ -13,7 +13,7 @@ def upsert(path: Path, run: dict, rows: list[dict], key: tuple[str, ...]) -> dic
         data = json.loads(path.read_text())
     run_id = f"{run['timestamp']}-{run['git_sha'][:10]}"
     data["runs"][run_id] = run
-    fresh = {tuple(r[k] for k in key) for r in rows}
+    fresh = {tuple(r.get(k) for k in key) for r in rows}
     kept = [r for r in data["rows"] if tuple(r.get(k) for k in key) not in fresh]
     stamped = [r | {"run_id": run_id, "reproduce": run["command"]} for r in rows]
     data["rows"] = kept + stamped

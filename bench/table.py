@@ -27,3 +27,34 @@ def kernel_table(rows: list[dict]) -> str:
             f" | {_fmt(base.get('median_us'), '9.1f')}{_fmt(tri.get('pct_of_base'), '9.3g')}%"
         )
     return "\n".join(out)
+
+
+def model_table(rows: list[dict]) -> str:
+    steps = [r for r in rows if r["kind"] == "decode_step"]
+    by_case: dict[tuple, dict[tuple, dict]] = {}
+    for r in steps:
+        key = (r["preset"], r["layers"], r["batch_size"])
+        by_case.setdefault(key, {})[(r["runtime"], r["traffic"], r["path"])] = r
+    cols = [("no_lora", "base"), ("lora", "base"), ("lora", "lora")]
+    head = (f"{'model':<10}{'L':>3}{'bs':>5} |" + "".join(
+        f" {rt + '/' + tr:>17} eager/graph us |" for rt, tr in cols)
+        + f" {'LoRA cost':>9} {'graph gain':>10}")
+    out = ["decode step (median us, eager / graph replay)", head, "-" * len(head)]
+    for (preset, layers, bs), p in by_case.items():
+        cells = []
+        for rt, tr in cols:
+            e = p.get((rt, tr, "eager"), {}).get("median_us")
+            g = p.get((rt, tr, "graph"), {}).get("median_us")
+            cells.append(f" {_fmt(e, '14.1f')} / {_fmt(g, '14.1f')} |")
+        base_g = p.get(("no_lora", "base", "graph"), {}).get("median_us")
+        lora_g = p.get(("lora", "lora", "graph"), {}).get("median_us")
+        lora_e = p.get(("lora", "lora", "eager"), {}).get("median_us")
+        cost = 100 * (lora_g / base_g - 1) if base_g and lora_g else None
+        gain = lora_e / lora_g if lora_e and lora_g else None
+        out.append(f"{preset:<10}{layers:>3}{bs:>5} |" + "".join(cells)
+                   + f" {_fmt(cost, '8.1f')}% {_fmt(gain, '9.2f')}x")
+    caps = [r for r in rows if r["kind"] == "capture"]
+    for r in caps:
+        out.append(f"capture {r['preset']} L={r['layers']} {r['runtime']}: {r['graphs']} graphs "
+                   f"in {r['capture_seconds']:.2f} s, {r['graph_memory_bytes'] / 2**20:.1f} MiB")
+    return "\n".join(out)

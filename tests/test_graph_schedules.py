@@ -9,9 +9,15 @@ import os
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from schedule_world import MAX_CONTEXT, SLOTS, World
 
 from lora_runtime.requests import Request, build_decode, build_extend, release
@@ -23,6 +29,8 @@ BUDGET = {
     "triton": (4, 20) if not ON_GPU else (30, 40),
 }
 SCALE = float(os.environ.get("SCHEDULE_SCALE", "1"))
+# Fault injection only needs to know that a schedule fails, not its smallest form.
+PHASES = (Phase.explicit, Phase.generate) if os.environ.get("SCHEDULE_NO_SHRINK") else tuple(Phase)
 
 
 def make_machine(world: World):
@@ -51,10 +59,17 @@ def make_machine(world: World):
             keep = self._fit(picked)
             return [p if p in keep else None for p in picked]
 
+        @initialize(data=st.data())
+        def first_prefill(self, data):
+            """Every schedule starts with a replayed prefill that uses an adapter."""
+            self.prefill(data, 2, force_adapter=True)
+
         @rule(data=st.data(), n=st.integers(1, 4))
-        def prefill(self, data, n):
+        def prefill(self, data, n, force_adapter=False):
             lens = [data.draw(st.integers(1, 9)) for _ in range(n)]
             names = self._pick_adapters(data, n)
+            if force_adapter and not any(names):
+                names[0] = next(iter(self.w.lora.adapters))
             g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**30)))
             reqs = [Request(torch.randint(0, self.w.config.vocab_size, (k,), generator=g)
                             .tolist(), a, 64) for k, a in zip(lens, names, strict=True)]
@@ -124,7 +139,7 @@ def test_every_replay_matches_eager(world, capsys):
     machine = make_machine(world)
     run_state_machine_as_test(
         machine, settings=settings(max_examples=examples, stateful_step_count=steps,
-                                   deadline=None, database=None))
+                                   deadline=None, database=None, phases=PHASES))
     with capsys.disabled():
         print(f"\n[schedules] backend={world.lora.backend.name} device={DEVICE.type} "
               f"replays checked={world.replays} idle replays checked={world.idle_replays} "

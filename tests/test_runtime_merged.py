@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
 from runtime_helpers import ALL_TARGETS, make_runtime, merged_model, reference_logits
 
 from lora_runtime.adapters import random_adapter
@@ -25,9 +25,20 @@ def _adapters():
     return {x.name: x for x in (a, b, c)}
 
 
+DTYPES = [torch.float32] + ([torch.bfloat16] if ON_GPU else [])
+
+
+def _close(got, ref, dtype, what):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=what)
+    else:  # bf16: merged weights and the LoRA path round differently; compare as vectors
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 3e-2, f"{what}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_batch_matches_merged_dense_models(backend):
-    dtype = torch.float32
+def test_mixed_batch_matches_merged_dense_models(backend, dtype):
     runner = make_runtime(CFG, dtype=dtype, device=DEVICE, backend=backend, slots=3, max_rank=8,
                           targets=ALL_TARGETS)
     adapters = _adapters()
@@ -50,7 +61,7 @@ def test_mixed_batch_matches_merged_dense_models(backend):
         base = reference_logits(merged[None], r.prompt, dtype, DEVICE)
         ref_p = reference_logits(merged[r.adapter], r.prompt, dtype, DEVICE)
         ref_d = reference_logits(merged[r.adapter], r.tokens, dtype, DEVICE)
-        torch.testing.assert_close(prefill[i], ref_p, rtol=1e-4, atol=1e-4, msg=f"prefill {i}")
-        torch.testing.assert_close(decode[i], ref_d, rtol=1e-4, atol=1e-4, msg=f"decode {i}")
-        lora_seen = max(lora_seen, (ref_p - base).abs().max().item())
-    assert lora_seen > 1e-1, "the adapters must change the logits, or this test proves nothing"
+        _close(prefill[i], ref_p, dtype, f"prefill {i}")
+        _close(decode[i], ref_d, dtype, f"decode {i}")
+        lora_seen = max(lora_seen, ((ref_p - base).norm() / base.norm()).item())
+    assert lora_seen > 0.2, "the adapters must change the logits, or this test proves nothing"

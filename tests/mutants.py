@@ -1,0 +1,198 @@
+"""Fault injection: apply, one at a time, faults that each break one protection against stale
+LoRA metadata, and run the stale-state tests against each. Every fault must be caught.
+
+    nox -s mutants            # or: python tests/mutants.py [--only NAME] [--list]
+
+A fault counts as killed when the tests fail (pytest exit 1); a copy of the tree is mutated,
+never the checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = [
+    "tests/test_batch_state.py",
+    "tests/test_graph_replay.py",
+    "tests/test_graph_schedules.py::test_every_replay_matches_eager[torch]",
+    "tests/test_graph_schedules.py::test_every_replay_matches_eager[triton]",
+]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    breaks: str
+    path: str
+    edits: tuple[tuple[str, str], ...]
+
+
+MUTANTS = [
+    Mutant("idle_skips_reset", "building an idle batch no longer resets the LoRA batch",
+           "lora_runtime/forward_batch.py",
+           (("        if lora_manager is not None:\n            lora_manager.reset_lora_batch()",
+             "        if False:\n            lora_manager.reset_lora_batch()"),)),
+    Mutant("gate_on_set_lora", "layers gate on set_lora instead of lora_active",
+           "lora_runtime/layers.py",
+           (("return self.set_lora and self.backend.batch_info is not None",
+             "return self.set_lora"),)),
+    Mutant("reset_forgets_lm_head_pass", "reset clears batch_info but not the derived lm_head pass",
+           "lora_runtime/backends/base.py",
+           (("        self.batch_info = None\n        self.logits_info = None\n",
+             "        self.batch_info = None\n"),)),
+    Mutant("runner_reallocates_metadata",
+           "static LoRA metadata is reallocated per replay instead of copied into",
+           "kernels/segments.py",
+           (("self._buf.copy_(torch.tensor(host, dtype=torch.int32), non_blocking=False)",
+             "self._buf = torch.tensor(host, dtype=torch.int32).to(self._buf.device)"),)),
+    Mutant("grid_from_batch_block_count",
+           "the shrink grid is sized by the batch's live block count (a per-batch Python int)",
+           "kernels/shrink.py",
+           (("    programs = layout.block_slots.shape[0] * weights.num_slices",
+             "    live = int((layout.block_ends > layout.block_starts).sum())\n"
+             "    layout = type(layout)(layout.token_slots, layout.permutation,\n"
+             "                          layout.block_slots[:live], layout.block_starts[:live],\n"
+             "                          layout.block_ends[:live], layout.block_m)\n"
+             "    programs = layout.block_slots.shape[0] * weights.num_slices"),)),
+    Mutant("block_m_from_segment_length",
+           "the block size follows the batch's longest request (a per-batch Python int)",
+           "lora_runtime/manager.py",
+           (("block_m = DECODE_BLOCK_M if batch.mode is ForwardMode.DECODE else EXTEND_BLOCK_M",
+             "block_m = max(16, 1 << (max(batch.extend_lens, default=1) - 1).bit_length())"),)),
+    Mutant("idle_keeps_previous_slots",
+           "an idle replay keeps the previous batch's slots in the static buffers",
+           "graphs/runner.py",
+           (("        plan = None if batch is None else self.lora.plan_lora_batch(batch)",
+             "        if batch is None:\n            return\n"
+             "        plan = self.lora.plan_lora_batch(batch)"),)),
+    Mutant("base_graph_by_first_request",
+           "the no-LoRA graph is chosen when the first request has no adapter",
+           "graphs/runner.py",
+           (("kind = LORA if self.lora is not None and (idle or batch.has_adapters) else BASE",
+             "kind = LORA if self.lora is not None and (idle or batch.adapter_names[0]) else BASE"),
+            )),
+    Mutant("metadata_cached_by_adapter_names",
+           "replay skips the metadata refresh when the batch names the same adapters",
+           "graphs/runner.py",
+           (("        plan = None if batch is None else self.lora.plan_lora_batch(batch)",
+             "        key = None if batch is None else batch.adapter_names\n"
+             "        if key is not None and key == getattr(self, '_last_key', None):\n"
+             "            return\n"
+             "        self._last_key = key\n"
+             "        plan = None if batch is None else self.lora.plan_lora_batch(batch)"),)),
+    Mutant("padding_rows_keep_cache_slots",
+           "decode padding rows keep the previous batch's KV-cache slots",
+           "graphs/static_batch.py",
+           (("        _put(self.out_cache_loc, b and b.out_cache_loc, n, bucket, KVCache.SCRATCH)",
+             "        _put(self.out_cache_loc, b and b.out_cache_loc, n, n, KVCache.SCRATCH)"),)),
+    Mutant("slot_reuse_keeps_old_ranks",
+           "an adapter loaded into an evicted slot keeps the evicted adapter's ranks",
+           "lora_runtime/manager.py",
+           (("                w.ranks[slot, s] = r",
+             "                if int(w.ranks[slot, s]) == 0:\n"
+             "                    w.ranks[slot, s] = r"),)),
+    Mutant("runners_share_lora_buffers",
+           "graph runners share one set of static LoRA buffers",
+           "lora_runtime/backends/base.py",
+           (("        slots = self.num_slots + 1\n        return LoRAGraphBuffers(",
+             "        slots = self.num_slots + 1\n"
+             "        if getattr(self, '_shared', None) is not None:\n"
+             "            return self._shared\n"
+             "        self._shared = LoRAGraphBuffers("),
+            ("                                self.device),\n        )\n",
+             "                                self.device),\n        )\n"
+             "        return self._shared\n"))),
+]
+
+
+def _tree_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if (ROOT / f).is_file()]
+
+
+def _copy_tree(dst: Path) -> None:
+    for f in _tree_files():
+        (dst / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dst / f)
+
+
+def _apply(tree: Path, m: Mutant) -> None:
+    f = tree / m.path
+    text = f.read_text()
+    for old, new in m.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"mutant {m.name}: the code it mutates changed in {m.path} "
+                             f"(found {text.count(old)} times): update tests/mutants.py")
+        text = text.replace(old, new)
+    f.write_text(text)
+
+
+def _run(tree: Path, scale: float, timeout: int) -> tuple[int, str, float]:
+    env = dict(os.environ, SCHEDULE_SCALE=str(scale), SCHEDULE_NO_SHRINK="1",
+               PYTHONDONTWRITEBYTECODE="1")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                            *TESTS], cwd=tree, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"timed out after {timeout}s\n{e.stdout or ''}"
+    return rc, out, time.perf_counter() - t0
+
+
+def _first_failure(out: str) -> str:
+    m = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return m.group(1) if m else "?"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", default=[], help="run these mutants only")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--scale", type=float, default=0.25, help="schedule budget per run")
+    p.add_argument("--timeout", type=int, default=900)
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:34} {m.breaks}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        base = Path(tmp) / "baseline"
+        _copy_tree(base)
+        rc, out, dt = _run(base, args.scale, args.timeout)
+        if rc != 0:
+            print(out[-3000:])
+            print(f"baseline: the unmutated tree fails its own tests (rc={rc}); fix that first")
+            return 2
+        print(f"baseline passes ({dt:.0f}s)", flush=True)
+        killed = 0
+        for m in chosen:
+            tree = Path(tmp) / m.name
+            _copy_tree(tree)
+            _apply(tree, m)
+            rc, out, dt = _run(tree, args.scale, args.timeout)
+            ok = rc == 1
+            killed += ok
+            verdict = f"killed by {_first_failure(out)}" if ok else f"SURVIVED (rc={rc})"
+            print(f"{m.name:34} {verdict}  ({dt:.0f}s)\n{'':34} breaks: {m.breaks}", flush=True)
+            shutil.rmtree(tree, ignore_errors=True)
+    print(f"\nmutants killed: {killed}/{len(chosen)}")
+    return 0 if killed == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

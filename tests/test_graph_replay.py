@@ -1,0 +1,68 @@
+"""Targeted replay scenarios (the schedules find these too, but rarely): an adapter moved to
+another slot between two replays of the same adapter mix, an idle replay between two
+identical batches, batch sizes crossing buckets, a base-only batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from schedule_world import World
+
+from lora_runtime.requests import Request, build_decode, build_extend, release
+
+
+@pytest.fixture(scope="module")
+def world():
+    return World("torch", DEVICE, torch.float32)
+
+
+def _decode_ready(w: World, names, prompt_len=3):
+    reqs = [Request(list(range(1, prompt_len + 1 + i)), n, 64) for i, n in enumerate(names)]
+    logits = w.check_step(build_extend(reqs, w.runner.kv, DEVICE))
+    for r, row in zip(reqs, logits, strict=True):
+        r.output.append(int(row.argmax()))
+    return reqs
+
+
+def _decode(w: World, reqs):
+    logits = w.check_step(build_decode(reqs, w.runner.kv, DEVICE))
+    for r, row in zip(reqs, logits, strict=True):
+        w.check_oracle(r.tokens, r.adapter, row)
+        r.output.append(int(row.argmax()))
+
+
+def test_same_adapter_mix_after_the_adapter_moved_slot(world):
+    w = world
+    w.reset()
+    reqs = _decode_ready(w, ["ad0", "ad1", None])
+    _decode(w, reqs)
+    old_slot = w.lora.pool.slot_of["ad0"]
+    adapter = w.lora.adapters["ad0"]
+    w.lora.reset_lora_batch()
+    w.lora.unload_adapter("ad0")
+    w.new_adapter(seed=99, pinned=True)  # takes the freed slot
+    w.lora.load_adapter("ad0", adapter)
+    _decode(w, reqs)
+    assert w.lora.pool.slot_of["ad0"] != old_slot, "the scenario needs ad0 in another slot"
+    release(reqs, w.runner.kv)
+
+
+def test_idle_replay_between_identical_batches(world):
+    w = world
+    w.reset()
+    reqs = _decode_ready(w, ["ad1", "ad2"])
+    _decode(w, reqs)
+    w.check_idle()
+    _decode(w, reqs)
+    release(reqs, w.runner.kv)
+
+
+def test_batch_sizes_crossing_buckets_and_base_only(world):
+    w = world
+    w.reset()
+    pool = _decode_ready(w, ["ad0", None, "ad1", "ad2", None, "ad0", "ad1", None])
+    for n in (1, 3, 8, 2, 5, 1):
+        _decode(w, pool[:n])
+        _decode(w, [r for r in pool[:n] if r.adapter is None] or pool[1:2])
+    release(pool, w.runner.kv)
