@@ -1,8 +1,9 @@
-"""Decode (and prefill) step time of the whole model: eager vs CUDA graph, with and without
-LoRA, and a LoRA-enabled runtime serving base-only traffic (which must cost nothing).
+"""Decode step time of the whole model: eager vs CUDA graph, with and without LoRA, and a
+LoRA-enabled runtime serving base-only traffic (which must cost nothing).
 
-Each step time is measured around what a serving loop calls per step (metadata prepare,
-static-buffer refresh and replay included) and reported next to the weight-bytes floor."""
+Paths: ``eager`` (prepare + eager forward), ``graph`` (what a serving loop calls per step:
+LoRA plan, static-buffer refresh, replay) and ``replay_only`` (the captured graph alone: the
+device time, without host-side preparation). Each next to the weight-bytes floor."""
 
 from __future__ import annotations
 
@@ -77,12 +78,15 @@ def _run_runtime(case, runtime, device, ceil, reps) -> list[dict]:
                 r.output.append(1)
             batch = build_decode(reqs, kv, device)
             label = f"{case.preset} L={case.layers} bs={bs} {runtime}/{traffic}"
+            graphs.replay(batch)  # refreshes the static buffers for the replay-only timing
+            captured = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))]
             for path, fn in (("eager", lambda b=batch: runner.forward_eager(b)),
-                             ("graph", lambda b=batch: graphs.replay(b))):
+                             ("graph", lambda b=batch: graphs.replay(b)),
+                             ("replay_only", captured.replay)):
                 with nvtx_ranges.range(f"decode {path} {label}"):
                     t = bench_time(fn, device=device, mode="events", reps=reps, warmup=3)
                 rows.append(_row(case, bs, runtime, traffic, path, t, weight_bytes, ceil,
-                                 graphs.last_kind if path == "graph" else None))
+                                 graphs.last_kind if path != "eager" else None))
             kv.free([s for r in reqs for s in r.kv_slots])
     rows.append({
         "suite": "model", "kind": "capture", "preset": case.preset, "layers": case.layers,

@@ -37,15 +37,16 @@ def model_table(rows: list[dict]) -> str:
         by_case.setdefault(key, {})[(r["runtime"], r["traffic"], r["path"])] = r
     cols = [("no_lora", "base"), ("lora", "base"), ("lora", "lora")]
     head = (f"{'model':<10}{'L':>3}{'bs':>5} |" + "".join(
-        f" {rt + '/' + tr:>17} eager/graph us |" for rt, tr in cols)
+        f" {rt + '/' + tr:>24} |" for rt, tr in cols)
         + f" {'LoRA cost':>9} {'graph gain':>10}")
-    out = ["decode step (median us, eager / graph replay)", head, "-" * len(head)]
+    out = ["decode step, median us: eager / graph step / replay only", head, "-" * len(head)]
     for (preset, layers, bs), p in by_case.items():
         cells = []
         for rt, tr in cols:
             e = p.get((rt, tr, "eager"), {}).get("median_us")
             g = p.get((rt, tr, "graph"), {}).get("median_us")
-            cells.append(f" {_fmt(e, '14.1f')} / {_fmt(g, '14.1f')} |")
+            o = p.get((rt, tr, "replay_only"), {}).get("median_us")
+            cells.append(f" {_fmt(e, '8.0f')}/{_fmt(g, '7.0f')}/{_fmt(o, '7.0f')} |")
         base_g = p.get(("no_lora", "base", "graph"), {}).get("median_us")
         lora_g = p.get(("lora", "lora", "graph"), {}).get("median_us")
         lora_e = p.get(("lora", "lora", "eager"), {}).get("median_us")

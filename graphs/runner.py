@@ -119,7 +119,11 @@ class GraphRunner:
 
 
 def _pool_bytes(device: torch.device) -> int:
+    """Reserved device memory once the allocator's cache is released: what remains beyond
+    live tensors is held by graph pools (capture itself empties the cache, so a plain
+    before/after difference of ``memory_reserved`` would mislead)."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device)

@@ -11,6 +11,7 @@ Invariant: every block holds rows of exactly one slot, and unused blocks are emp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,37 +53,31 @@ def plan_segments(
     """
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
-    lens = [1] * len(request_slots) if request_lens is None else list(request_lens)
-    if len(lens) != len(request_slots):
-        raise ValueError(
-            f"request_lens has {len(lens)} entries but request_slots has {len(request_slots)}"
-        )
-    starts, token_slots, row = [], [], 0
-    for slot, n in zip(request_slots, lens, strict=True):
-        if n < 0:
-            raise ValueError(f"request length must be >= 0, got {n}")
-        starts.append(row)
-        token_slots.extend([int(slot)] * n)
-        row += n
-    order = sorted(range(len(request_slots)), key=lambda i: request_slots[i])
-    permutation: list[int] = []
-    seg_bounds, seg_slots = [0], []
-    for i in order:
-        if lens[i] == 0:
-            continue
-        slot = int(request_slots[i])
-        if seg_slots and seg_slots[-1] == slot:
-            seg_bounds[-1] += lens[i]
-        else:
-            seg_slots.append(slot)
-            seg_bounds.append(seg_bounds[-1] + lens[i])
-        permutation.extend(range(starts[i], starts[i] + lens[i]))
-    blocks = []
-    for s, slot in enumerate(seg_slots):
-        if slot == skip_slot:
-            continue
-        for lo in range(seg_bounds[s], seg_bounds[s + 1], block_m):
-            blocks.append((slot, lo, min(lo + block_m, seg_bounds[s + 1])))
+    slots = [int(s) for s in request_slots]
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    if request_lens is None:  # decode: this runs every step, so no per-row Python beyond this
+        token_slots, permutation = slots, order
+        sorted_slots = [slots[i] for i in order]
+    else:
+        lens = list(request_lens)
+        if len(lens) != len(slots):
+            raise ValueError(
+                f"request_lens has {len(lens)} entries but request_slots has {len(slots)}"
+            )
+        if any(n < 0 for n in lens):
+            raise ValueError(f"request length must be >= 0, got {min(lens)}")
+        starts = list(itertools.accumulate(lens, initial=0))
+        token_slots = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
+        permutation = [row for i in order for row in range(starts[i], starts[i] + lens[i])]
+        sorted_slots = [slots[i] for i in order for _ in range(lens[i])]
+    seg_bounds, seg_slots, blocks = [0], [], []
+    for slot, group in itertools.groupby(sorted_slots):
+        lo = seg_bounds[-1]
+        hi = lo + sum(1 for _ in group)
+        seg_slots.append(slot)
+        seg_bounds.append(hi)
+        if slot != skip_slot:
+            blocks += [(slot, b, min(b + block_m, hi)) for b in range(lo, hi, block_m)]
     return SegmentPlan(token_slots, permutation, seg_bounds, seg_slots, blocks, block_m)
 
 

@@ -70,11 +70,17 @@ class LoRAManager:
                            "LoRAManager.load_adapter(name, path) first")
         self._acquire({n for n in names if n is not None})
         slots = [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
-        block_m = DECODE_BLOCK_M if batch.mode is ForwardMode.DECODE else EXTEND_BLOCK_M
-        plan = LoRABatchPlan(
-            plan_segments(slots, batch.extend_lens, block_m=block_m, skip_slot=self.neutral_slot),
-            plan_segments(slots, None, block_m=LOGITS_BLOCK_M, skip_slot=self.neutral_slot),
-        )
+        if batch.mode is ForwardMode.DECODE:
+            rows = plan_segments(slots, None, block_m=DECODE_BLOCK_M, skip_slot=self.neutral_slot)
+            # One row per request already: the lm_head pass has the same layout.
+            logits = rows if LOGITS_BLOCK_M == DECODE_BLOCK_M else plan_segments(
+                slots, None, block_m=LOGITS_BLOCK_M, skip_slot=self.neutral_slot)
+        else:
+            rows = plan_segments(slots, batch.extend_lens, block_m=EXTEND_BLOCK_M,
+                                 skip_slot=self.neutral_slot)
+            logits = plan_segments(slots, None, block_m=LOGITS_BLOCK_M,
+                                   skip_slot=self.neutral_slot)
+        plan = LoRABatchPlan(rows, logits)
         self._in_batch = {n for n in names if n is not None}
         return plan
 
