@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -24,6 +25,13 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _sha() -> str:
+    sha = _git("rev-parse", "--verify", "HEAD")
+    if re.fullmatch(r"[0-9a-f]{40}", sha):
+        return sha
+    return os.environ.get("MULTILORA_GIT_SHA", "unknown")
+
+
 def driver_version() -> str:
     try:
         import pynvml
@@ -41,7 +49,7 @@ def driver_version() -> str:
 def collect(device: torch.device) -> dict:
     return {
         # Copies of the tree without .git (a lent GPU machine) pass the sha in the environment.
-        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("MULTILORA_GIT_SHA", "unknown"),
+        "git_sha": _sha(),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "python": platform.python_version(),
         "torch": torch.__version__,
