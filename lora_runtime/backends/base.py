@@ -1,6 +1,6 @@
 """The LoRA backend: owns the per-batch state and the graph hooks.
 
-Contract (see docs/contracts.md):
+Contract (README, "Contracts"):
 1. ``batch_info is None`` means no batch is prepared. ``prepare`` sets it for one forward;
    ``reset_batch_state`` clears it *and every per-batch state derived from it*.
 2. Layers gate on ``batch_info is not None``; ``run_*`` refuses to run without it.
