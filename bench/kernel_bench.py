@@ -78,13 +78,13 @@ def floors(case: KernelCase) -> dict[str, tuple[int, int]]:
     }
 
 
-def _copies(bytes_per_copy: int, l2_bytes: int, device: torch.device) -> int:
+def copies_for(bytes_per_copy: int, l2_bytes: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return max(2, min(512, math.ceil(4 * l2_bytes / max(1, bytes_per_copy))))
 
 
-def _weights(case: KernelCase, device) -> LoRAWeights:
+def make_weights(case: KernelCase, device) -> LoRAWeights:
     w = LoRAWeights.for_linear(case.adapters, case.shape.in_features, case.shape.slice_widths,
                                case.rank, case.dtype, device)
     w.lora_a.normal_(0, case.shape.in_features**-0.5)
@@ -127,8 +127,8 @@ def run_case(case: KernelCase, device: torch.device, ceil: Ceilings, reps: int) 
 
 def _time_lora(case, layout, token_slots, device, ceil, reps, label):
     k, n = case.shape.in_features, case.shape.out_features
-    copies = _copies(floors(case)["lora"][0], ceil.l2_bytes, device)
-    ws = [_weights(case, device) for _ in range(copies)]
+    copies = copies_for(floors(case)["lora"][0], ceil.l2_bytes, device)
+    ws = [make_weights(case, device) for _ in range(copies)]
     xs = [torch.randn(case.tokens, k, dtype=case.dtype, device=device) for _ in ws]
     ys = [torch.randn(case.tokens, n, dtype=case.dtype, device=device) for _ in ws]
     errors = _check(case, ws[0], xs[0], layout, token_slots)
@@ -153,7 +153,7 @@ def _time_lora(case, layout, token_slots, device, ceil, reps, label):
 
 def _time_base(case, device, ceil, reps, label):
     k, n = case.shape.in_features, case.shape.out_features
-    copies = _copies(floors(case)["base"][0], ceil.l2_bytes, device)
+    copies = copies_for(floors(case)["base"][0], ceil.l2_bytes, device)
     each = [
         (torch.randn(case.tokens, k, dtype=case.dtype, device=device),
          torch.randn(n, k, dtype=case.dtype, device=device) * k**-0.5,

@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     layout = SegmentLayout.from_plan(plan_segments(slots, lens, block_m=case.block_m), device)
     ceil = hardware.measure(device, dtype) if not args.once else None
     nbytes = kernel_bench.floors(case)[args.kernel][0]
-    copies = 1 if args.once else kernel_bench._copies(nbytes, ceil.l2_bytes, device)
-    ws = [kernel_bench._weights(case, device) for _ in range(copies)]
+    copies = 1 if args.once else kernel_bench.copies_for(nbytes, ceil.l2_bytes, device)
+    ws = [kernel_bench.make_weights(case, device) for _ in range(copies)]
     xs = [torch.randn(case.tokens, case.shape.in_features, dtype=dtype, device=device)
           for _ in ws]
     ys = [torch.randn(case.tokens, case.shape.out_features, dtype=dtype, device=device)

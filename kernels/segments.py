@@ -100,7 +100,7 @@ class SegmentLayout:
     def from_plan(plan: SegmentPlan, device: torch.device | str) -> SegmentLayout:
         """Exact-size layout for an eager forward (one host-to-device copy)."""
         t, nb = plan.num_rows, len(plan.blocks)
-        host = _pack(plan, t, nb, neutral_slot=0)
+        host = _pack(plan, t, nb, neutral_slot=0)  # exact size: nothing to pad
         return _views(torch.tensor(host, dtype=torch.int32).to(device), t, nb, plan.block_m)
 
 

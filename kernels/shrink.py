@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
+from kernels.block_rows import load_block
 from kernels.checks import check, check_dtype, check_layout, check_tables
 from kernels.segments import SegmentLayout
 from kernels.weights import LoRAWeights
@@ -32,15 +33,11 @@ def _shrink_kernel(
     blk = tl.program_id(0)
     sl = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(blk_slot_ptr + blk)
-    start = tl.load(blk_start_ptr + blk)
-    end = tl.load(blk_end_ptr + blk)
+    slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
+                                           blk, BLOCK_M)
     rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
-    if (rank == 0) | (start >= end):
+    if (rank == 0) | empty:
         return
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     a_rows = sl * max_rank + offs_r

@@ -9,7 +9,7 @@ with the previous batch's metadata.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,8 +58,6 @@ class ForwardBatch:
     """Per request; None: the base model."""
     extend_lens: tuple[int, ...] = ()
     """Token rows per request (1 each in decode)."""
-    seq_lens: tuple[int, ...] = field(default=())
-    """Context length per request after this forward."""
 
     @property
     def batch_size(self) -> int:

@@ -57,7 +57,7 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
     return ForwardBatch(
         ForwardMode.EXTEND, t(ids), t(pos), t(loc), ends.to(device),
         ExtendAttention(t(token_req), t(kv_idx), t(kv_req), t(kv_pos)),
-        tuple(r.adapter for r in reqs), tuple(lens), tuple(len(r.kv_slots) for r in reqs),
+        tuple(r.adapter for r in reqs), tuple(lens),
     )
 
 
@@ -78,7 +78,7 @@ def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
         ForwardMode.DECODE, t([r.tokens[-1] for r in reqs]),
         t([len(r.kv_slots) - 1 for r in reqs]), t(slots), t(list(range(bs))),
         DecodeAttention(t(table).reshape(bs, ctx), t([len(r.kv_slots) for r in reqs])),
-        tuple(r.adapter for r in reqs), (1,) * bs, tuple(len(r.kv_slots) for r in reqs),
+        tuple(r.adapter for r in reqs), (1,) * bs,
     )
 
 

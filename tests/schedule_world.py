@@ -9,7 +9,7 @@ from runtime_helpers import ALL_TARGETS, make_runtime, merged_model, reference_l
 from graphs import GraphRunner
 from graphs.runner import BASE, LORA
 from lora_runtime.adapters import random_adapter
-from lora_runtime.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.model.config import tiny
 
 DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4, 8], [8, 16, 32]
@@ -120,8 +120,4 @@ class World:
             assert (full.token_slots[used:] == neutral).all(), "padding rows must be neutral"
             live = full.block_ends > full.block_starts
             assert (full.block_slots[~live] == neutral).all(), "unused blocks must be neutral"
-            assert int(live.sum()) <= layout.blocks_for(max(used, 0) or 1)
         assert self.lora.backend.batch_info is not None or graph.last_kind == BASE
-
-    def mode_ok(self, batch: ForwardBatch) -> bool:
-        return batch.mode is not ForwardMode.IDLE

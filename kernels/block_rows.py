@@ -1,0 +1,17 @@
+"""The prologue every LoRA kernel program shares: its block's slot and rows."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, blk, BLOCK_M: tl.constexpr):
+    """(slot, rows, row_mask, empty) of block ``blk``; rows are int64 row indices of the input.
+    Empty blocks (start == end) load nothing: every row is masked."""
+    slot = tl.load(blk_slot_ptr + blk)
+    start = tl.load(blk_start_ptr + blk)
+    end = tl.load(blk_end_ptr + blk)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return slot, rows, m_mask, start >= end
