@@ -97,7 +97,7 @@ class LoRAManager:
         adapter = adapter.to(self.dtype)
         if pinned:
             try:
-                [(slot, _, _)] = self.pool.plan([name])
+                [(slot, _, _)] = self.pool.plan([name], protected=self._in_batch)
             except SlotPoolError as e:
                 raise AdapterError(f"cannot pin {name!r}: {e}") from e
         self.adapters[name] = adapter
@@ -133,14 +133,14 @@ class LoRAManager:
         if name not in self.adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
         if pinned:
-            self._acquire({name})
+            self._acquire({name}, protected=self._in_batch)
             self.pool.pinned.add(name)
         else:
             self.pool.pinned.discard(name)
 
     # -- slots ------------------------------------------------------------------------------
-    def _acquire(self, names: set[str]) -> None:
-        for slot, name, _evicted in self.pool.plan(names):
+    def _acquire(self, names: set[str], protected: set[str] = frozenset()) -> None:
+        for slot, name, _evicted in self.pool.plan(names, protected):
             self._write_slot(slot, name)
         self.pool.touch(names)
 

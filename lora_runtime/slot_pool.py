@@ -19,10 +19,13 @@ class SlotPool:
         self._last_use: dict[str, int] = {}
         self._clock = 0
 
-    def plan(self, names: Iterable[str]) -> list[tuple[int, str, str | None]]:
-        """(slot, adapter, evicted) for each adapter of ``names`` not yet in a slot. Raises
-        before changing anything when they cannot all fit."""
+    def plan(self, names: Iterable[str],
+             protected: Iterable[str] = ()) -> list[tuple[int, str, str | None]]:
+        """(slot, adapter, evicted) for each adapter of ``names`` not yet in a slot, never
+        evicting ``protected`` ones (a batch already prepared). Raises before changing
+        anything when they cannot all fit."""
         wanted = set(names)
+        keep = wanted | set(protected) | self.pinned
         if len(wanted) > self.num_slots:
             raise SlotPoolError(
                 f"the batch uses {len(wanted)} distinct adapters but the pool has "
@@ -31,10 +34,8 @@ class SlotPool:
             )
         missing = sorted(n for n in wanted if n not in self.slot_of)
         free = [s for s, o in enumerate(self.owner) if o is None]
-        victims = sorted(
-            (o for o in self.owner if o is not None and o not in wanted and o not in self.pinned),
-            key=lambda o: self._last_use.get(o, -1),
-        )
+        victims = sorted((o for o in self.owner if o is not None and o not in keep),
+                         key=lambda o: self._last_use.get(o, -1))
         if len(missing) > len(free) + len(victims):
             raise SlotPoolError(
                 f"no slot for {missing[len(free) + len(victims):]}: every slot holds an adapter "

@@ -67,8 +67,10 @@ MUTANTS = [
     Mutant("block_m_from_segment_length",
            "the block size follows the batch's longest request (a per-batch Python int)",
            "lora_runtime/manager.py",
-           (("block_m = DECODE_BLOCK_M if batch.mode is ForwardMode.DECODE else EXTEND_BLOCK_M",
-             "block_m = max(16, 1 << (max(batch.extend_lens, default=1) - 1).bit_length())"),)),
+           (("rows = plan_segments(slots, batch.extend_lens, block_m=EXTEND_BLOCK_M,",
+             "rows = plan_segments(slots, batch.extend_lens,\n"
+             "                                 block_m=max(16, 1 << (max(batch.extend_lens)"
+             " - 1).bit_length()),"),)),
     Mutant("idle_keeps_previous_slots",
            "an idle replay keeps the previous batch's slots in the static buffers",
            "graphs/runner.py",

@@ -32,6 +32,9 @@ def test_lru_order_pins_and_batch_members():
     with pytest.raises(SlotPoolError, match="3 distinct adapters"):
         pool.plan(["a", "b", "c"])
     assert pool.owner == ["a", "b"], "plan() changes nothing"
+    pool.pinned.clear()
+    with pytest.raises(SlotPoolError, match="every slot holds"):
+        pool.plan(["c"], protected=["a", "b"])  # both serve a prepared batch
 
 
 def test_evicted_and_reloaded_adapter_uses_its_own_weights():
