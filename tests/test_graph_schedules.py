@@ -109,6 +109,8 @@ def make_machine(world: World):
             lora = self.w.lora
             if action.startswith("load") and len(lora.adapters) < 8:
                 pinned = action == "load_pinned" and len(lora.pool.pinned) < SLOTS - 1
+                if pinned:
+                    lora.reset_lora_batch()  # the last batch is done: its adapters may move
                 self.w.new_adapter(seed=self.w.serial, pinned=pinned)
             elif action == "unload":
                 used = {r.adapter for r in self.active}
