@@ -15,14 +15,14 @@ from bench import nvtx_ranges
 from bench.hardware import Ceilings
 from bench.timing import bench_time
 from graphs import GraphRunner
-from lora_runtime.adapters import random_adapter
-from lora_runtime.kv_cache import KVCache
-from lora_runtime.lora_config import LoRAConfig
-from lora_runtime.manager import LoRAManager
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request, build_decode, build_extend
+from lora_runtime.lora.adapters import random_adapter
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.model_runner import ModelRunner
-from lora_runtime.requests import Request, build_decode, build_extend
 
 
 @dataclass(frozen=True)

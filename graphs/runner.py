@@ -17,10 +17,10 @@ import torch
 
 from graphs.replayable import Replayable, capture, new_pool
 from graphs.static_batch import DecodeBuffers, PrefillBuffers
-from lora_runtime.backends import LoRAGraphBuffers
-from lora_runtime.batch_info import DECODE_BLOCK_M, EXTEND_BLOCK_M
-from lora_runtime.forward_batch import ForwardBatch, ForwardMode
-from lora_runtime.model_runner import ModelRunner
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.lora.backends import LoRAGraphBuffers
+from lora_runtime.lora.batch_info import DECODE_BLOCK_M, EXTEND_BLOCK_M
 
 LORA, BASE = "lora", "base"
 

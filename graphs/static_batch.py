@@ -12,8 +12,13 @@ import bisect
 
 import torch
 
-from lora_runtime.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch, ForwardMode
-from lora_runtime.kv_cache import KVCache
+from lora_runtime.engine.forward_batch import (
+    DecodeAttention,
+    ExtendAttention,
+    ForwardBatch,
+    ForwardMode,
+)
+from lora_runtime.engine.kv_cache import KVCache
 
 PAD_REQ = -1
 

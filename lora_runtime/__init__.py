@@ -1,2 +1,3 @@
-"""Lean multi-LoRA runtime: batch metadata, LoRA backends, adapter pool, guarded layers, a
-Llama-architecture model, forward batches."""
+"""Lean multi-LoRA runtime. ``engine/``: requests, batches, KV cache, scheduler, model runner,
+the serving loop. ``lora/``: adapters, slot pool, manager, backends, guarded layers. ``model/``:
+a Llama-architecture model."""

@@ -39,15 +39,15 @@ class Mutant:
 
 MUTANTS = [
     Mutant("idle_skips_reset", "building an idle batch no longer resets the LoRA batch",
-           "lora_runtime/forward_batch.py",
+           "lora_runtime/engine/forward_batch.py",
            (("        if lora_manager is not None:\n            lora_manager.reset_lora_batch()",
              "        if False:\n            lora_manager.reset_lora_batch()"),)),
     Mutant("gate_on_set_lora", "layers gate on set_lora instead of lora_active",
-           "lora_runtime/layers.py",
+           "lora_runtime/lora/layers.py",
            (("return self.set_lora and self.backend.batch_info is not None",
              "return self.set_lora"),)),
     Mutant("reset_forgets_lm_head_pass", "reset clears batch_info but not the derived lm_head pass",
-           "lora_runtime/backends/base.py",
+           "lora_runtime/lora/backends/base.py",
            (("        self.batch_info = None\n        self.logits_info = None\n",
              "        self.batch_info = None\n"),)),
     Mutant("runner_reallocates_metadata",
@@ -66,7 +66,7 @@ MUTANTS = [
              "    programs = layout.block_slots.shape[0] * weights.num_slices"),)),
     Mutant("block_m_from_segment_length",
            "the block size follows the batch's longest request (a per-batch Python int)",
-           "lora_runtime/manager.py",
+           "lora_runtime/lora/manager.py",
            (("rows = plan_segments(slots, batch.extend_lens, block_m=EXTEND_BLOCK_M,",
              "rows = plan_segments(slots, batch.extend_lens,\n"
              "                                 block_m=max(16, 1 << (max(batch.extend_lens)"
@@ -99,13 +99,13 @@ MUTANTS = [
              "        _put(self.out_cache_loc, b and b.out_cache_loc, n, n, KVCache.SCRATCH)"),)),
     Mutant("slot_reuse_keeps_old_ranks",
            "an adapter loaded into an evicted slot keeps the evicted adapter's ranks",
-           "lora_runtime/manager.py",
+           "lora_runtime/lora/manager.py",
            (("                w.ranks[slot, s] = r",
              "                if int(w.ranks[slot, s]) == 0:\n"
              "                    w.ranks[slot, s] = r"),)),
     Mutant("runners_share_lora_buffers",
            "graph runners share one set of static LoRA buffers",
-           "lora_runtime/backends/base.py",
+           "lora_runtime/lora/backends/base.py",
            (("        slots = self.num_slots + 1\n        return LoRAGraphBuffers(",
              "        slots = self.num_slots + 1\n"
              "        if getattr(self, '_shared', None) is not None:\n"

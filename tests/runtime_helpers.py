@@ -6,14 +6,14 @@ import copy
 
 import torch
 
-from lora_runtime.adapters import LoRAAdapter
-from lora_runtime.kv_cache import KVCache
-from lora_runtime.lora_config import LoRAConfig
-from lora_runtime.manager import LoRAManager
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request, build_extend, release
+from lora_runtime.lora.adapters import LoRAAdapter
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.model_runner import ModelRunner
-from lora_runtime.requests import Request, build_extend, release
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "embed_tokens", "lm_head")

@@ -8,8 +8,8 @@ from runtime_helpers import ALL_TARGETS, make_runtime, merged_model, reference_l
 
 from graphs import GraphRunner
 from graphs.runner import BASE, LORA
-from lora_runtime.adapters import random_adapter
-from lora_runtime.forward_batch import ForwardBatch
+from lora_runtime.engine.forward_batch import ForwardBatch
+from lora_runtime.lora.adapters import random_adapter
 from lora_runtime.model.config import tiny
 
 DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4, 8], [8, 16, 32]

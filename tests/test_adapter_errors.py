@@ -10,9 +10,9 @@ from conftest import DEVICE
 from runtime_helpers import make_runtime
 from safetensors.torch import load_file, save_file
 
-from lora_runtime.adapters import AdapterError, random_adapter, save_peft_adapter
+from lora_runtime.engine.requests import Request, build_extend
+from lora_runtime.lora.adapters import AdapterError, random_adapter, save_peft_adapter
 from lora_runtime.model.config import tiny
-from lora_runtime.requests import Request, build_extend
 
 CFG = tiny()
 

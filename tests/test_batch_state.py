@@ -8,11 +8,11 @@ import torch
 from conftest import DEVICE
 from runtime_helpers import ALL_TARGETS, make_runtime
 
-from lora_runtime.adapters import random_adapter
-from lora_runtime.backends import BACKENDS
-from lora_runtime.forward_batch import ForwardBatch
+from lora_runtime.engine.forward_batch import ForwardBatch
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.lora.adapters import random_adapter
+from lora_runtime.lora.backends import BACKENDS
 from lora_runtime.model.config import tiny
-from lora_runtime.requests import Request, build_decode, build_extend, release
 
 CFG = tiny()
 

@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICE
 from schedule_world import World
 
-from lora_runtime.requests import Request, build_decode, build_extend, release
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 
 
 @pytest.fixture(scope="module")

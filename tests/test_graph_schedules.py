@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 )
 from schedule_world import MAX_CONTEXT, SLOTS, World
 
-from lora_runtime.requests import Request, build_decode, build_extend, release
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 
 # (examples, steps per example): thousands of steps on the torch backend; the Triton
 # interpreter is ~100x slower on CPU, so it gets fewer (the GPU runs many more).

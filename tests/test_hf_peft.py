@@ -13,12 +13,12 @@ from conftest import DEVICE
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lora_runtime.kv_cache import KVCache  # noqa: E402
-from lora_runtime.lora_config import LoRAConfig  # noqa: E402
-from lora_runtime.manager import LoRAManager  # noqa: E402
+from lora_runtime.engine.kv_cache import KVCache  # noqa: E402
+from lora_runtime.engine.model_runner import ModelRunner  # noqa: E402
+from lora_runtime.engine.requests import Request, build_extend, release  # noqa: E402
+from lora_runtime.lora.lora_config import LoRAConfig  # noqa: E402
+from lora_runtime.lora.manager import LoRAManager  # noqa: E402
 from lora_runtime.model.checkpoint import load_hf_llama  # noqa: E402
-from lora_runtime.model_runner import ModelRunner  # noqa: E402
-from lora_runtime.requests import Request, build_extend, release  # noqa: E402
 
 ADAPTERS = {
     "plain": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),

@@ -9,9 +9,9 @@ import torch
 from conftest import DEVICE, ON_GPU
 from runtime_helpers import ALL_TARGETS, make_runtime, merged_model, reference_logits
 
-from lora_runtime.adapters import random_adapter
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.lora.adapters import random_adapter
 from lora_runtime.model.config import tiny
-from lora_runtime.requests import Request, build_decode, build_extend, release
 
 CFG = tiny()
 

@@ -8,10 +8,10 @@ import torch
 from conftest import DEVICE
 from runtime_helpers import make_runtime, merged_model, reference_logits
 
-from lora_runtime.adapters import random_adapter
+from lora_runtime.engine.requests import Request, build_extend, release
+from lora_runtime.lora.adapters import random_adapter
+from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
 from lora_runtime.model.config import tiny
-from lora_runtime.requests import Request, build_extend, release
-from lora_runtime.slot_pool import SlotPool, SlotPoolError
 
 CFG = tiny()
 

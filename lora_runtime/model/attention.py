@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_runtime.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch
+from lora_runtime.engine.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.layers import RotaryEmbedding
 

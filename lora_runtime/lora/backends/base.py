@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import LoRAWeights, SegmentLayout, StaticSegmentLayout
-from lora_runtime.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
+from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
 
 
 class RowSet(enum.Enum):

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lora_runtime.adapters.adapter import (
+from lora_runtime.lora.adapters.adapter import (
     LINEAR_TARGETS,
     AdapterError,
     LoRAAdapter,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from lora_runtime.adapters.adapter import LINEAR_TARGETS
+from lora_runtime.lora.adapters.adapter import LINEAR_TARGETS
 from lora_runtime.model.config import PEFT_TARGETS
 
 

@@ -8,11 +8,11 @@ from typing import Protocol
 
 import torch
 
-from lora_runtime.forward_batch import ForwardBatch, ForwardMode
-from lora_runtime.kv_cache import KVCache
-from lora_runtime.manager import LoRAManager
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.requests import Request, build_decode, build_extend, release
 
 
 class GraphReplayer(Protocol):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lora_runtime.adapters.adapter import (
+from lora_runtime.lora.adapters.adapter import (
     LINEAR_TARGETS,
     LoRAAdapter,
     ModuleLoRA,

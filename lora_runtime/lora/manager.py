@@ -9,20 +9,20 @@ import torch
 from torch import nn
 
 from kernels import LoRAWeights, plan_segments
-from lora_runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
-from lora_runtime.backends import make_backend
-from lora_runtime.batch_info import (
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.lora.adapters import AdapterError, LoRAAdapter, load_peft_adapter
+from lora_runtime.lora.backends import make_backend
+from lora_runtime.lora.batch_info import (
     DECODE_BLOCK_M,
     EXTEND_BLOCK_M,
     LOGITS_BLOCK_M,
     LoRABatchPlan,
 )
-from lora_runtime.forward_batch import ForwardBatch, ForwardMode
-from lora_runtime.layers import WRAPPERS
-from lora_runtime.lora_config import LoRAConfig
+from lora_runtime.lora.layers import WRAPPERS
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
 from lora_runtime.model.config import PEFT_TARGETS
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.slot_pool import SlotPool, SlotPoolError
 
 SLICES = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kernels import LoRAWeights
-from lora_runtime.backends import LoRABackend, RowSet
+from lora_runtime.lora.backends import LoRABackend, RowSet
 
 
 class LoRALayer(nn.Module):

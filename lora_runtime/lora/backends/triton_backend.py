@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernels import lora_embedding_shrink, lora_expand, lora_shrink
-from lora_runtime.backends.base import LoRABackend
+from lora_runtime.lora.backends.base import LoRABackend
 
 
 class TritonBackend(LoRABackend):

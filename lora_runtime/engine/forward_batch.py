@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lora_runtime.manager import LoRAManager
+    from lora_runtime.lora.manager import LoRAManager
 
 
 class ForwardMode(enum.Enum):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernels.reference import embedding_shrink_reference, expand_reference, shrink_reference
-from lora_runtime.backends.base import LoRABackend
+from lora_runtime.lora.backends.base import LoRABackend
 
 
 class TorchBackend(LoRABackend):

@@ -1,6 +1,6 @@
-from lora_runtime.backends.base import LoRABackend, LoRAGraphBuffers, RowSet
-from lora_runtime.backends.torch_backend import TorchBackend
-from lora_runtime.backends.triton_backend import TritonBackend
+from lora_runtime.lora.backends.base import LoRABackend, LoRAGraphBuffers, RowSet
+from lora_runtime.lora.backends.torch_backend import TorchBackend
+from lora_runtime.lora.backends.triton_backend import TritonBackend
 
 BACKENDS = {"triton": TritonBackend, "torch": TorchBackend}
 

@@ -1,0 +1,1 @@
+"""The serving side: requests, forward batches, KV cache, scheduler, model runner, engine."""

@@ -1,0 +1,1 @@
+"""LoRA: target modules, adapters, slot pool, manager, backends (batch metadata), guarded layers."""
