@@ -20,7 +20,6 @@ from graphs.static_batch import DecodeBuffers, PrefillBuffers
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.lora.backends import LoRAGraphBuffers
-from lora_runtime.lora.batch_info import DECODE_BLOCK_M, EXTEND_BLOCK_M
 
 LORA, BASE = "lora", "base"
 
@@ -61,15 +60,15 @@ class GraphRunner:
         buf = self.buffers
         kinds = [LORA, BASE] if self.lora is not None else [BASE]
         if self.lora is not None:
-            block_m = DECODE_BLOCK_M if buf.mode is ForwardMode.DECODE else EXTEND_BLOCK_M
-            self.lora_buffers = self.lora.backend.init_capture_buffers(
-                buf.rows(buf.buckets[-1]), buf.requests(buf.buckets[-1]), block_m)
+            top = buf.buckets[-1]
+            self.lora_buffers = self.lora.init_graph_buffers(buf.mode, buf.rows(top),
+                                                             buf.requests(top))
         pool = new_pool(self.device)
         before = _pool_bytes(self.device)
         for bucket in reversed(buf.buckets):
             for kind in kinds:
+                self._set_lora(kind, None, bucket, capture=True)
                 buf.write(None, bucket)
-                self._set_lora(kind, None, bucket)
                 batch = buf.view(bucket)
                 t0 = time.perf_counter()
                 self.graphs[(kind, bucket)] = capture(self._forward_of(batch), self.device, pool)
@@ -77,7 +76,6 @@ class GraphRunner:
         self.stats.memory_bytes = _pool_bytes(self.device) - before
         if self.lora is not None:
             self.lora.reset_lora_batch()
-        self.runner.graphs.append(self)
         return self
 
     def _forward_of(self, batch: ForwardBatch):
@@ -101,21 +99,24 @@ class GraphRunner:
                              f"(buckets {self.buffers.buckets}); check can_run() first")
         idle = batch.mode is ForwardMode.IDLE
         kind = LORA if self.lora is not None and (idle or batch.has_adapters) else BASE
+        self._set_lora(kind, None if idle else batch, bucket)  # may raise: before any write
         self.buffers.write(None if idle else batch, bucket)
-        self._set_lora(kind, None if idle else batch, bucket)
         self.last_kind = kind
         out = self.graphs[(kind, bucket)].replay()
         return out[: batch.batch_size]
 
-    def _set_lora(self, kind: str, batch: ForwardBatch | None, bucket: int) -> None:
+    def _set_lora(self, kind: str, batch: ForwardBatch | None, bucket: int,
+                  capture: bool = False) -> None:
         if self.lora is None:
             return
         if kind == BASE:
             self.lora.reset_lora_batch()
             return
-        plan = None if batch is None else self.lora.plan_lora_batch(batch)
-        self.lora.backend.prepare_for_replay(self.lora_buffers, plan, self.buffers.rows(bucket),
-                                             self.buffers.requests(bucket))
+        rows, requests = self.buffers.rows(bucket), self.buffers.requests(bucket)
+        if capture:
+            self.lora.prepare_for_capture(self.lora_buffers, rows, requests)
+        else:
+            self.lora.prepare_for_replay(self.lora_buffers, batch, rows, requests)
 
 
 def _pool_bytes(device: torch.device) -> int:

@@ -14,9 +14,9 @@ from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.llama import LlamaForCausalLM
+from lora_runtime.model.modules import BY_NAME, TARGETS
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "embed_tokens", "lm_head")
+ALL_TARGETS = tuple(t.name for t in TARGETS)
 
 
 def make_runtime(config: LlamaConfig, *, dtype, device, backend="torch", slots=4, max_rank=16,
@@ -44,14 +44,11 @@ def merged_model(base: LlamaForCausalLM, adapter: LoRAAdapter | None) -> LlamaFo
                 model.lm_head.weight.device)
             continue
         blk = model.model.layers[layer]
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                 "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}[target]
-        parent = blk.self_attn if fused[0] in ("qkv_proj", "o_proj") else blk.mlp
-        mod = getattr(parent, fused[0])
-        widths = cfg.module_shape(fused[0]).slice_widths
-        lo = sum(widths[: fused[1]])
-        rows = mod.weight[lo : lo + widths[fused[1]]]
+        t = BY_NAME[target]
+        mod = getattr(getattr(blk, t.block), t.module)
+        widths = cfg.module_shape(t.module).slice_widths
+        lo = sum(widths[: t.slice])
+        rows = mod.weight[lo : lo + widths[t.slice]]
         rows += delta.to(rows.dtype).to(rows.device)
     return model
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from lora_runtime.lora.adapters.adapter import LINEAR_TARGETS
-from lora_runtime.model.config import PEFT_TARGETS
+from lora_runtime.model.modules import BY_NAME, LINEAR_TARGETS
 
 
 @dataclass(frozen=True)
@@ -23,12 +22,12 @@ class LoRAConfig:
             raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
         if self.max_rank < 1:
             raise ValueError(f"max_rank must be >= 1, got {self.max_rank}")
-        unknown = set(self.target_modules) - set(PEFT_TARGETS)
+        unknown = set(self.target_modules) - set(BY_NAME)
         if unknown:
             raise ValueError(f"unknown target modules {sorted(unknown)}; supported: "
-                             f"{sorted(PEFT_TARGETS)}")
+                             f"{sorted(BY_NAME)}")
 
     @cached_property
     def runtime_modules(self) -> set[str]:
         """This runtime's (fused) modules that need LoRA buffers."""
-        return {PEFT_TARGETS[t][0] for t in self.target_modules}
+        return {BY_NAME[t].module for t in self.target_modules}

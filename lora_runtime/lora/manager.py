@@ -11,7 +11,7 @@ from torch import nn
 from kernels import LoRAWeights, plan_segments
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.lora.adapters import AdapterError, LoRAAdapter, load_peft_adapter
-from lora_runtime.lora.backends import make_backend
+from lora_runtime.lora.backends import LoRAGraphBuffers, make_backend
 from lora_runtime.lora.batch_info import (
     DECODE_BLOCK_M,
     EXTEND_BLOCK_M,
@@ -21,17 +21,8 @@ from lora_runtime.lora.batch_info import (
 from lora_runtime.lora.layers import WRAPPERS
 from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
-from lora_runtime.model.config import PEFT_TARGETS
 from lora_runtime.model.llama import LlamaForCausalLM
-
-SLICES = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "o_proj": ("o_proj",),
-    "down_proj": ("down_proj",),
-    "embed_tokens": ("embed_tokens",),
-    "lm_head": ("lm_head",),
-}
+from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, SLICES
 
 
 class LoRAManager:
@@ -83,6 +74,25 @@ class LoRAManager:
         plan = LoRABatchPlan(rows, logits)
         self._in_batch = {n for n in names if n is not None}
         return plan
+
+    # -- graph hooks: a graph runner's only contact with LoRA ------------------------------
+    def init_graph_buffers(self, mode: ForwardMode, max_rows: int,
+                           max_requests: int) -> LoRAGraphBuffers:
+        """Static LoRA metadata for one graph runner (allocated once; the runner owns it)."""
+        block_m = DECODE_BLOCK_M if mode is ForwardMode.DECODE else EXTEND_BLOCK_M
+        return self.backend.init_capture_buffers(max_rows, max_requests, block_m)
+
+    def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int) -> None:
+        """Points the batch state at ``buffers``, neutral, for capturing the LoRA variant."""
+        self.reset_lora_batch()
+        self.backend.prepare_for_replay(buffers, None, rows, requests)
+
+    def prepare_for_replay(self, buffers: LoRAGraphBuffers, batch: ForwardBatch | None,
+                           rows: int, requests: int) -> None:
+        """Before replaying the LoRA variant: plans ``batch`` (None: idle, all neutral), then
+        refreshes ``buffers`` in place. A planning error raises before any buffer is written."""
+        plan = None if batch is None else self.plan_lora_batch(batch)
+        self.backend.prepare_for_replay(buffers, plan, rows, requests)
 
     # -- adapters ---------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
@@ -180,8 +190,8 @@ class LoRAManager:
         cfg, n = self.model.config, self.config.max_loras_per_batch
         wanted = self.config.runtime_modules
         for layer_idx, layer in enumerate(self.model.model.layers):
-            for parent, module in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                   (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            for module in LAYER_MODULES:
+                parent = getattr(layer, BLOCK_OF[module])
                 if module in wanted:
                     shape = cfg.module_shape(module)
                     w = LoRAWeights.for_linear(n, shape.in_features, shape.slice_widths,
@@ -201,5 +211,3 @@ class LoRAManager:
         setattr(parent, attr, WRAPPERS[attr](base, self.backend, weights))
         self.weights[key] = weights
 
-
-assert set(SLICES) == {m for m, _ in PEFT_TARGETS.values()}

@@ -12,13 +12,10 @@ from safetensors import safe_open
 
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.llama import LlamaForCausalLM
+from lora_runtime.model.modules import TARGETS
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-_FUSED = {
-    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2), "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-}
+_FUSED = {t.name: (f"{t.block}.{t.module}", t.slice) for t in TARGETS if t.name != t.module}
 
 
 class CheckpointError(ValueError):

@@ -1,24 +1,10 @@
-"""Llama-architecture configuration, presets, and the LoRA target modules it exposes."""
+"""Llama-architecture configuration and presets."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
-
-# PEFT target-module name -> (fused module of this runtime, slice index within it).
-PEFT_TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-    "embed_tokens": ("embed_tokens", 0),
-    "lm_head": ("lm_head", 0),
-}
-LAYER_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -80,6 +66,7 @@ class LlamaConfig:
             "gate_up_proj": (h, (i, i)),
             "down_proj": (i, (h,)),
             "lm_head": (h, (self.vocab_size,)),
+            "embed_tokens": (self.vocab_size, (h,)),
         }
         if module not in shapes:
             raise KeyError(f"unknown module {module!r}; expected one of {sorted(shapes)}")

@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_runtime.model.config import PEFT_TARGETS, LlamaConfig
+from lora_runtime.model.config import LlamaConfig
+from lora_runtime.model.modules import BY_NAME, LINEAR_TARGETS, in_out_features, module_path
 
 ModuleKey = tuple[int | None, str]
 """(layer index, PEFT target name); layer is None for embed_tokens and lm_head."""
-
-LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class AdapterError(ValueError):
@@ -69,9 +68,9 @@ class LoRAAdapter:
             raise AdapterError(f"adapter {self.name!r} has no LoRA weights")
         for (layer, target), m in self.modules.items():
             where = f"adapter {self.name!r}, {module_path(layer, target)}"
-            if target not in PEFT_TARGETS:
+            if target not in BY_NAME:
                 raise AdapterError(f"{where}: unknown target module {target!r}; supported: "
-                                   f"{sorted(PEFT_TARGETS)}")
+                                   f"{sorted(BY_NAME)}")
             if target not in enabled:
                 raise AdapterError(
                     f"{where}: the runtime was built without LoRA on {target!r} (targets: "
@@ -106,19 +105,10 @@ class LoRAAdapter:
 
 
 def expected_shapes(config: LlamaConfig, target: str, r: int):
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.q_size, config.kv_size
-    in_out = {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        "embed_tokens": (v, h), "lm_head": (h, v),
-    }[target]
-    return (r, in_out[0]), (in_out[1], r)
+    """PEFT's (lora_A, lora_B) shapes of ``target`` at rank ``r``."""
+    k, n = in_out_features(config, target)
+    return (r, k), (n, r)
 
 
-def module_path(layer: int | None, target: str) -> str:
-    """The module's name inside a Hugging Face LlamaForCausalLM."""
-    if layer is None:
-        return "model.embed_tokens" if target == "embed_tokens" else "lm_head"
-    block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    return f"model.layers.{layer}.{block}.{target}"
+__all__ = ["LINEAR_TARGETS", "AdapterError", "LoRAAdapter", "ModuleLoRA", "expected_shapes",
+           "module_path"]

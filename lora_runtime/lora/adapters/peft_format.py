@@ -19,7 +19,7 @@ from lora_runtime.lora.adapters.adapter import (
     ModuleLoRA,
     module_path,
 )
-from lora_runtime.model.config import PEFT_TARGETS
+from lora_runtime.model.modules import BY_NAME
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _LAYER_KEY = re.compile(
@@ -159,9 +159,9 @@ def _targets(raw, path: Path) -> set[str] | None:
     names = set()
     for t in raw:
         leaf = str(t).rsplit(".", 1)[-1]
-        if leaf not in PEFT_TARGETS:
+        if leaf not in BY_NAME:
             raise AdapterError(f"{path / CONFIG}: unknown target module {t!r}; supported: "
-                               f"{sorted(PEFT_TARGETS)}")
+                               f"{sorted(BY_NAME)}")
         names.add(leaf)
     return names
 
@@ -170,9 +170,9 @@ def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
     m = _LAYER_KEY.match(key)
     if m:
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
-        if target not in PEFT_TARGETS:
+        if target not in BY_NAME:
             raise AdapterError(f"{path / WEIGHTS}: key {key!r} targets unknown module "
-                               f"{target!r}; supported: {sorted(PEFT_TARGETS)}")
+                               f"{target!r}; supported: {sorted(BY_NAME)}")
         return (layer, target), ab
     m = _TOP_KEY.match(key)
     if m:

@@ -13,6 +13,7 @@ from lora_runtime.lora.adapters.adapter import (
     expected_shapes,
 )
 from lora_runtime.model.config import LlamaConfig
+from lora_runtime.model.modules import target as module_target
 
 
 def random_adapter(
@@ -32,7 +33,7 @@ def random_adapter(
     scaling = alpha / (rank**0.5 if use_rslora else rank)
     modules = {}
     for target in targets:
-        layers = [None] if target in ("embed_tokens", "lm_head") else range(config.num_layers)
+        layers = [None] if module_target(target).block is None else range(config.num_layers)
         for layer in layers:
             (r, k), (n, _) = expected_shapes(config, target, rank)
             a_std = 1.0 if target == "embed_tokens" else k**-0.5
