@@ -101,6 +101,10 @@ class PrefillBuffers:
         self.logits_rows = z(max_requests)
         self.kv_indices, self.kv_pos = z(c), z(c)
         self.kv_req = torch.full((c,), PAD_REQ, dtype=torch.long, device=device)
+        # One request more than a batch holds: the padding tokens form their own request,
+        # attending to scratch keys, so the per-request kernels leave no row unwritten.
+        self.q_starts = torch.zeros(max_requests + 2, dtype=torch.int32, device=device)
+        self.kv_starts = torch.zeros(max_requests + 2, dtype=torch.int32, device=device)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         if batch.mode is not ForwardMode.EXTEND or batch.batch_size > self.max_requests:
@@ -123,7 +127,7 @@ class PrefillBuffers:
             ForwardMode.EXTEND, self.input_ids[:bucket], self.positions[:bucket],
             self.out_cache_loc[:bucket], self.logits_rows,
             ExtendAttention(self.token_req[:bucket], self.kv_indices[:c], self.kv_req[:c],
-                            self.kv_pos[:c]),
+                            self.kv_pos[:c], self.q_starts, self.kv_starts),
             (None,) * r, (bucket,) + (0,) * (r - 1),
         )
 
@@ -141,3 +145,11 @@ class PrefillBuffers:
         _put(self.kv_indices, a and a.kv_indices, c, end, KVCache.SCRATCH)
         _put(self.kv_req, a and a.kv_req, c, end, PAD_REQ)
         _put(self.kv_pos, a and a.kv_pos, c, end, 0)
+        if a is None:
+            self.q_starts[:1].zero_()
+            self.kv_starts[:1].zero_()
+        else:
+            self.q_starts[: n + 1].copy_(a.q_starts)
+            self.kv_starts[: n + 1].copy_(a.kv_starts)
+        self.q_starts[n + 1 :].fill_(bucket)
+        self.kv_starts[n + 1 :].fill_(c + bucket - t)

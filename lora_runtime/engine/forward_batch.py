@@ -43,6 +43,12 @@ class ExtendAttention:
     """[C] int64 (padding: -1, so padding tokens see padding keys and no NaN appears)."""
     kv_pos: torch.Tensor
     """[C] int64: position of each key within its request."""
+    q_starts: torch.Tensor
+    """[R+1] int32, cumulative: request i's new tokens are rows q_starts[i]..q_starts[i+1]
+    (rows past q_starts[-1] belong to no request)."""
+    kv_starts: torch.Tensor
+    """[R+1] int32, cumulative: request i's context is kv_indices[kv_starts[i]..kv_starts[i+1]]
+    (key j at position j; the new tokens are its last q_starts[i+1] - q_starts[i] keys)."""
 
 
 @dataclass

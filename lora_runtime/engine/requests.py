@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -59,9 +60,12 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
         lens.append(len(new))
     ends = torch.tensor(lens).cumsum(0) - 1
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    starts = lambda x: torch.tensor(list(accumulate(x, initial=0)), dtype=torch.int32,  # noqa: E731
+                                    device=device)
     return ForwardBatch(
         ForwardMode.EXTEND, t(ids), t(pos), t(loc), ends.to(device),
-        ExtendAttention(t(token_req), t(kv_idx), t(kv_req), t(kv_pos)),
+        ExtendAttention(t(token_req), t(kv_idx), t(kv_req), t(kv_pos),
+                        starts(lens), starts(len(r.kv_slots) for r in reqs)),
         tuple(r.adapter for r in reqs), tuple(lens),
     )
 

@@ -1,13 +1,15 @@
-"""Grouped-query attention over the token-slot KV cache, written with torch ops only (no
-host syncs, no data-dependent Python), so the same code runs eagerly and inside graphs."""
+"""The Llama attention layer: qkv projection, RoPE, K/V written to the token-slot cache, then
+grouped-query attention over the cache (``attention_ops``: Triton kernels or the torch
+reference), then the output projection. No host syncs, no data-dependent Python, so the same
+code runs eagerly and inside graphs."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lora_runtime.engine.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch
+from lora_runtime.engine.forward_batch import DecodeAttention, ForwardBatch
+from lora_runtime.model.attention_ops import decode_attention, extend_attention
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.layers import RotaryEmbedding
 
@@ -38,32 +40,7 @@ class LlamaAttention(nn.Module):
         if t == 0:
             out = q
         elif isinstance(batch.attn, DecodeAttention):
-            out = self._decode(q, k_cache, v_cache, batch.attn)
+            out = decode_attention(q, k_cache, v_cache, batch.attn, self.scale)
         else:
-            out = self._extend(q, k_cache, v_cache, batch.attn, batch.positions)
+            out = extend_attention(q, k_cache, v_cache, batch.attn, batch.positions, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
-
-    def _decode(self, q, k_cache, v_cache, meta: DecodeAttention) -> torch.Tensor:
-        bs, ctx = meta.kv_indices.shape
-        g = self.num_heads // self.num_kv_heads
-        k = k_cache[meta.kv_indices].permute(0, 2, 3, 1)  # [bs, KV, D, ctx]
-        v = v_cache[meta.kv_indices].transpose(1, 2)  # [bs, KV, ctx, D]
-        qg = q.view(bs, self.num_kv_heads, g, self.head_dim)
-        scores = torch.matmul(qg, k).float() * self.scale  # [bs, KV, G, ctx]
-        live = torch.arange(ctx, device=q.device)[None, :] < meta.kv_lens[:, None]
-        scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(p, v).reshape(bs, self.num_heads, self.head_dim)
-
-    def _extend(self, q, k_cache, v_cache, meta: ExtendAttention, positions) -> torch.Tensor:
-        g = self.num_heads // self.num_kv_heads
-        k = k_cache[meta.kv_indices].repeat_interleave(g, dim=1).transpose(0, 1)  # [H, C, D]
-        v = v_cache[meta.kv_indices].repeat_interleave(g, dim=1).transpose(0, 1)
-        mask = (meta.kv_req[None, :] == meta.token_req[:, None]) & (
-            meta.kv_pos[None, :] <= positions[:, None]
-        )
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-            attn_mask=mask[None, None], scale=self.scale,
-        )  # [1, H, T, D]
-        return out[0].transpose(0, 1)
