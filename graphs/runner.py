@@ -44,6 +44,7 @@ class GraphRunner:
         self.lora_buffers: LoRAGraphBuffers | None = None
         self.stats = GraphStats()
         self.last_kind: str | None = None
+        self.last_bucket: int | None = None
 
     @staticmethod
     def decode(runner: ModelRunner, buckets: list[int], max_context: int) -> GraphRunner:
@@ -101,7 +102,7 @@ class GraphRunner:
         kind = LORA if self.lora is not None and (idle or batch.has_adapters) else BASE
         self._set_lora(kind, None if idle else batch, bucket)  # may raise: before any write
         self.buffers.write(None if idle else batch, bucket)
-        self.last_kind = kind
+        self.last_kind, self.last_bucket = kind, bucket
         out = self.graphs[(kind, bucket)].replay()
         return out[: batch.batch_size]
 

@@ -13,6 +13,7 @@ from conftest import DEVICE
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from lora_runtime.engine.engine import Engine  # noqa: E402
 from lora_runtime.engine.kv_cache import KVCache  # noqa: E402
 from lora_runtime.engine.model_runner import ModelRunner  # noqa: E402
 from lora_runtime.engine.requests import Request, build_extend, release  # noqa: E402
@@ -100,7 +101,7 @@ def test_greedy_generations_agree(saved):
     runner = _runtime(root, list(models))
     names = [None, *models]
     prompts = _prompts(len(names), seed=1)
-    ours = runner.generate([Request(p, n, 6) for p, n in zip(prompts, names, strict=True)])
+    ours = Engine(runner).generate(prompts, names, max_new_tokens=6)
     for p, n, got in zip(prompts, names, ours, strict=True):
         ref_model = base if n is None else models[n]
         with torch.no_grad():

@@ -15,15 +15,20 @@ from lora_runtime.engine.forward_batch import (
     ForwardMode,
 )
 from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.metrics import RequestMetrics
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     prompt: list[int]
     adapter: str | None = None
     max_new_tokens: int = 16
+    stop_ids: tuple[int, ...] = ()
+    """Generation ends after any of these tokens (it is kept in ``output``)."""
     output: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)
+    id: int = -1
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -37,15 +42,36 @@ class Request:
 
     @property
     def done(self) -> bool:
+        if self.output and self.output[-1] in self.stop_ids:
+            return True
         return len(self.output) >= self.max_new_tokens
 
+    @property
+    def uncached(self) -> int:
+        """Tokens not yet in the KV cache: the rest of the prompt (prefill) or the last one."""
+        return len(self.tokens) - len(self.kv_slots)
 
-def build_extend(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
-    """Every token of each request not yet in the cache (a prefill, or a continuation)."""
+    @property
+    def prefilling(self) -> bool:
+        return len(self.kv_slots) < len(self.prompt)
+
+    @property
+    def kv_budget(self) -> int:
+        """KV slots this request can ever hold: its prompt and every token it may sample but
+        the last (never fed back)."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+
+def build_extend(reqs: Sequence[Request], kv: KVCache, device,
+                 limits: Sequence[int] | None = None) -> ForwardBatch:
+    """The tokens of each request not yet in the cache (a prefill, or a continuation); with
+    ``limits``, at most ``limits[i]`` of them for request ``i`` (a chunk of a long prompt)."""
     ids, pos, loc, token_req, kv_idx, kv_req, kv_pos, lens = [], [], [], [], [], [], [], []
     for i, r in enumerate(reqs):
         prefix = len(r.kv_slots)
         new = r.tokens[prefix:]
+        if limits is not None:
+            new = new[: limits[i]]
         if not new:
             raise ValueError(f"request {i} has nothing to extend")
         slots = kv.alloc(len(new))

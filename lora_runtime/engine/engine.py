@@ -1,0 +1,201 @@
+"""``Engine``: the serving loop. Requests come in with their own adapter; each ``step`` asks
+the scheduler for a prefill or decode batch, runs it (a captured graph when one of the
+engine's graph runners fits it, else eagerly), samples greedily and retires finished
+requests, freeing their KV cache."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.engine.metrics import StepRecord
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+
+
+class GraphReplayer(Protocol):
+    """What the engine needs of a graph runner (``graphs.GraphRunner``)."""
+
+    last_kind: str | None
+    last_bucket: int | None
+
+    def can_run(self, batch: ForwardBatch) -> bool: ...
+    def replay(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None,
+                 graphs: Sequence[GraphReplayer] = (), *, keep_logits: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``graphs``: captured graph runners, tried in order; a batch none fits runs eagerly.
+        ``keep_logits``: keep each request's logits row at every sampled token (tests)."""
+        self.runner, self.lora, self.kv = runner, runner.lora, runner.kv
+        self.config = config or SchedulerConfig()
+        self.graphs = list(graphs)
+        self.keep_logits = keep_logits
+        self.clock = clock
+        slots = self.lora.config.max_loras_per_batch if self.lora is not None else 1
+        pinned = (lambda: set(self.lora.pool.pinned)) if self.lora is not None else set
+        self.scheduler = Scheduler(self.config, runner.kv.max_tokens, slots, pinned)
+        self.timeline: list[StepRecord] = []
+        self.finished: list[Request] = []
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], adapter: str | None = None, *,
+                    max_new_tokens: int = 16, stop_ids: Sequence[int] = ()) -> Request:
+        """Queues a request and returns it (its ``output`` grows as it is served). Raises
+        ValueError, changing nothing, on input the engine could never serve."""
+        req = Request(list(prompt_ids), adapter, max_new_tokens, tuple(stop_ids))
+        self._check(req)
+        req.id = next(self._ids)
+        req.metrics.arrival = self.clock()
+        self.scheduler.add(req)
+        return req
+
+    def _check(self, req: Request) -> None:
+        vocab = self.runner.model.config.vocab_size
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"0..{vocab - 1}")
+        if req.adapter is not None and (self.lora is None or req.adapter not in self.lora.adapters):
+            loaded = [] if self.lora is None else sorted(self.lora.adapters)
+            raise ValueError(f"unknown adapter {req.adapter!r} (loaded: {loaded}). Load it with "
+                             "Engine.load_adapter first, or pass adapter=None for the base model")
+        if req.kv_budget > self.kv.max_tokens:
+            raise ValueError(
+                f"the request needs {req.kv_budget} KV-cache slots (prompt {len(req.prompt)} + "
+                f"max_new_tokens {req.max_new_tokens} - 1) but the cache holds "
+                f"{self.kv.max_tokens}. Shorten it, or build the engine with a larger KV cache")
+        if not self.config.chunked_prefill and len(req.prompt) > self.config.max_step_tokens:
+            raise ValueError(
+                f"the prompt has {len(req.prompt)} tokens but a step takes at most "
+                f"{self.config.max_step_tokens} and chunked prefill is off. Enable "
+                "SchedulerConfig.chunked_prefill or raise max_step_tokens")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- adapters while serving -------------------------------------------------------------
+    def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
+        """Loads an adapter while requests run. A pinned one takes a slot for good, so it is
+        refused when the running requests' adapters would no longer fit beside it."""
+        if pinned:
+            self._check_pin(name)
+        self.lora.load_adapter(name, source, pinned=pinned)
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        if pinned:
+            self._check_pin(name)
+        self.lora.pin_adapter(name, pinned)
+
+    def unload_adapter(self, name: str) -> None:
+        """Refused while a waiting or running request uses it."""
+        users = [r.id for r in (*self.scheduler.waiting, *self.scheduler.running)
+                 if r.adapter == name]
+        if users:
+            raise ValueError(f"adapter {name!r} is used by requests {users[:8]}; unload it once "
+                             "they finish")
+        self.lora.reset_lora_batch()  # the last step is done: its adapters may go
+        self.lora.unload_adapter(name)
+
+    def _check_pin(self, name: str) -> None:
+        need = self.scheduler.running_adapters() | set(self.lora.pool.pinned) | {name}
+        if len(need) > self.lora.config.max_loras_per_batch:
+            raise ValueError(
+                f"pinning {name!r} would leave {len(need)} adapters (running requests' and "
+                f"pinned) for {self.lora.config.max_loras_per_batch} slots. Unpin one or wait "
+                "for requests to finish")
+        self.lora.reset_lora_batch()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[tuple[Request, int]]:
+        """Runs one forward; returns the (request, token) pairs it produced."""
+        start = self.clock()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            if self.scheduler.waiting:
+                raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
+            return []
+        batch = self._build(plan)
+        logits, replayed = self.forward(batch)
+        produced = self._sample(plan, logits)
+        self._record(plan, replayed, start)
+        return produced
+
+    def run(self, max_steps: int | None = None) -> list[Request]:
+        """Steps until every request is done (or ``max_steps``); returns the finished ones."""
+        for _ in range(max_steps) if max_steps is not None else itertools.count():
+            if not self.has_work:
+                break
+            self.step()
+        return self.finished
+
+    def generate(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
+                 max_new_tokens: int = 16) -> list[list[int]]:
+        """Greedy generation of a fixed set of prompts: each one's new tokens."""
+        reqs = [self.add_request(p, a, max_new_tokens=max_new_tokens)
+                for p, a in zip(prompts, adapters, strict=True)]
+        while not all(r.metrics.finish is not None for r in reqs):
+            self.step()
+        return [list(r.output) for r in reqs]
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
+        """Logits of the batch's requests: a graph replay when one fits, else eager."""
+        for g in self.graphs:
+            if g.can_run(batch):
+                return g.replay(batch), g
+        return self.runner.forward_eager(batch), None
+
+    def _build(self, plan: ScheduledStep) -> ForwardBatch:
+        if plan.mode is ForwardMode.DECODE:
+            return build_decode(plan.requests, self.kv, self.runner.device)
+        return build_extend(plan.requests, self.kv, self.runner.device, plan.chunks)
+
+    def _sample(self, plan: ScheduledStep, logits: torch.Tensor) -> list[tuple[Request, int]]:
+        tokens = logits.argmax(-1).tolist()  # the one host sync of a step
+        now = self.clock()
+        produced = []
+        for i, (req, tok) in enumerate(zip(plan.requests, tokens, strict=True)):
+            if req.prefilling:  # a chunk that did not reach the prompt's end samples nothing
+                continue
+            req.output.append(tok)
+            if self.keep_logits:
+                self.logits.setdefault(req.id, []).append(logits[i].detach().clone())
+            m = req.metrics
+            m.output_tokens += 1
+            if m.first_token is None:
+                m.first_token = now
+            produced.append((req, tok))
+            if req.done:
+                m.finish = now
+                self.scheduler.finish(req)
+                release([req], self.kv)
+                self.finished.append(req)
+        return produced
+
+    def _record(self, plan: ScheduledStep, replayed: GraphReplayer | None, start: float) -> None:
+        self.timeline.append(StepRecord(
+            index=len(self.timeline), mode=plan.mode.value, batch_size=len(plan.requests),
+            tokens=plan.num_tokens, adapters=tuple(sorted(plan.adapters)),
+            graph=replayed is not None,
+            bucket=None if replayed is None else replayed.last_bucket,
+            variant=None if replayed is None else replayed.last_kind,
+            start=start, seconds=self.clock() - start,
+        ))
+
+    def _stuck_reason(self, req: Request) -> str:
+        pinned = sorted(self.lora.pool.pinned) if self.lora is not None else []
+        return (f"request {req.id} (adapter {req.adapter!r}) can never be admitted: nothing "
+                f"runs and it still does not fit (pinned adapters {pinned} hold slots of "
+                f"{self.scheduler.num_slots}). Unpin an adapter")
+

@@ -1,0 +1,48 @@
+"""What the engine measures: per request (arrival, first token, finish: TTFT and TPOT) and
+per step (mode, batch size, tokens, graph or eager, bucket, duration)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float | None = None
+    """Clock time the request was added (seconds, the engine's clock)."""
+    first_token: float | None = None
+    finish: float | None = None
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s)."""
+        if self.first_token is None or self.arrival is None:
+            return None
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (s); None with fewer than two tokens."""
+        if self.finish is None or self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    index: int
+    mode: str
+    """``extend``, ``decode`` or ``idle``."""
+    batch_size: int
+    tokens: int
+    adapters: tuple[str, ...]
+    """Distinct adapters of the step (sorted)."""
+    graph: bool
+    """Replayed a captured graph (False: eager)."""
+    bucket: int | None
+    variant: str | None
+    """The graph variant replayed: ``lora`` or ``base`` (None: eager)."""
+    start: float
+    seconds: float
+    """Host time of the step, forward and sampling included (device work synchronised)."""

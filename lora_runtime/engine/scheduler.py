@@ -1,0 +1,136 @@
+"""Continuous batching: which requests a step prefills or decodes.
+
+Admission moves waiting requests (arrival order) into the running set while three limits
+hold: ``max_batch_size`` running requests; the KV cache, where each admitted request reserves
+its whole budget (prompt + tokens it may sample), so a running request never meets a full
+cache and nothing is ever preempted; and the adapter slots, where the running set's distinct
+adapters plus the pinned ones never exceed ``max_loras_per_batch``, so every step's adapters
+fit the pool at once. A request that does not fit waits while later ones that fit overtake
+it, but only for ``max_overtake_steps`` steps: then admission stops until it fits, so no
+request starves.
+
+A step is a prefill while any running request has prompt tokens not yet cached (at most
+``max_step_tokens`` of them, a long prompt in chunks), else a decode of every running request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lora_runtime.engine.forward_batch import ForwardMode
+from lora_runtime.engine.requests import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64
+    """Running requests at most (the largest decode batch)."""
+    max_step_tokens: int = 2048
+    """New tokens one prefill step may process."""
+    chunked_prefill: bool = True
+    """Split a prompt across steps when it does not fit the step's remaining token budget."""
+    max_overtake_steps: int = 32
+    """Steps the oldest waiting request may be overtaken by later ones that fit."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_overtake_steps < 0:
+            raise ValueError(f"SchedulerConfig.max_overtake_steps must be >= 0, got "
+                             f"{self.max_overtake_steps}")
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    mode: ForwardMode
+    requests: list[Request]
+    chunks: list[int]
+    """New tokens per request (1 each in decode)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chunks)
+
+    @property
+    def adapters(self) -> set[str]:
+        return {r.adapter for r in self.requests if r.adapter is not None}
+
+
+@dataclass
+class Scheduler:
+    config: SchedulerConfig
+    kv_capacity: int
+    num_slots: int
+    pinned: Callable[[], set[str]] = set
+    """The adapters pinned now (they hold slots whether or not a request uses them)."""
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    _overtaken: int = 0
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        self.running.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reserved(self) -> int:
+        """KV slots the running requests hold or may still take."""
+        return sum(r.kv_budget for r in self.running)
+
+    def running_adapters(self) -> set[str]:
+        return {r.adapter for r in self.running if r.adapter is not None}
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None when nothing can run (nothing running and nothing fits)."""
+        self._admit()
+        prefilling = [r for r in self.running if r.prefilling]
+        if prefilling:
+            return self._prefill(prefilling)
+        decoding = [r for r in self.running if not r.done]
+        if decoding:
+            return ScheduledStep(ForwardMode.DECODE, decoding, [1] * len(decoding))
+        return None
+
+    def _admit(self) -> None:
+        free_kv = self.kv_capacity - self.reserved()
+        adapters = self.running_adapters() | self.pinned()
+        for i, req in enumerate(list(self.waiting)):
+            if len(self.running) >= self.config.max_batch_size:
+                break
+            new_adapters = adapters | ({req.adapter} if req.adapter is not None else set())
+            if req.kv_budget <= free_kv and len(new_adapters) <= self.num_slots:
+                self.waiting.remove(req)
+                self.running.append(req)
+                free_kv -= req.kv_budget
+                adapters = new_adapters
+                if i == 0:
+                    self._overtaken = 0
+                continue
+            if i == 0:  # the oldest request waits: later ones may pass it, for a while
+                self._overtaken += 1
+                if self._overtaken > self.config.max_overtake_steps:
+                    break
+
+    def _prefill(self, prefilling: list[Request]) -> ScheduledStep:
+        budget = self.config.max_step_tokens
+        reqs, chunks = [], []
+        for r in prefilling:
+            left = len(r.prompt) - len(r.kv_slots)
+            take = min(left, budget) if self.config.chunked_prefill else left
+            if take == 0 or take > budget:
+                continue
+            reqs.append(r)
+            chunks.append(take)
+            budget -= take
+            if budget == 0:
+                break
+        return ScheduledStep(ForwardMode.EXTEND, reqs, chunks)

@@ -1,0 +1,121 @@
+"""Synthetic serving workloads for benchmarks and tests, and ``serve``, which feeds one to an
+engine at its arrival times.
+
+Adapter popularity: ``none`` (base model only), ``identical`` (all requests use one adapter),
+``uniform`` or ``zipf`` (alpha) over ``num_adapters``, ``distinct`` (one adapter per request).
+Arrivals: ``offline`` (all at time 0: throughput) or ``poisson`` at ``rate`` requests/s."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lora_runtime.engine.requests import Request
+
+POPULARITY = ("none", "identical", "uniform", "zipf", "distinct")
+ARRIVALS = ("offline", "poisson")
+Length = int | tuple[int, int]
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_requests: int
+    prompt_len: Length = 128
+    """Fixed, or (lo, hi) drawn uniformly, both included."""
+    output_len: Length = 32
+    popularity: str = "none"
+    num_adapters: int = 1
+    zipf_alpha: float = 1.0
+    arrival: str = "offline"
+    rate: float = 0.0
+    """Requests per second (poisson)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.popularity not in POPULARITY:
+            raise ValueError(f"popularity {self.popularity!r}: choose one of {POPULARITY}")
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"arrival {self.arrival!r}: choose one of {ARRIVALS}")
+        if self.arrival == "poisson" and self.rate <= 0:
+            raise ValueError("poisson arrivals need rate > 0 (requests per second)")
+        if self.popularity in ("uniform", "zipf") and self.num_adapters < 1:
+            raise ValueError(f"{self.popularity} popularity needs num_adapters >= 1")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = _bounds(getattr(self, name))
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be >= 1 (or a range lo <= hi), got "
+                                 f"{getattr(self, name)}")
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The adapters this workload's requests name (load these before serving)."""
+        n = {"none": 0, "identical": 1, "distinct": self.num_requests}.get(self.popularity,
+                                                                             self.num_adapters)
+        return [f"adapter-{i}" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    prompt: list[int]
+    adapter: str | None
+    max_new_tokens: int
+    arrival: float
+    """Seconds after the workload starts."""
+
+
+def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
+    rng = random.Random(spec.seed)
+    names = spec.adapter_names
+    weights = [1.0 / (i + 1) ** spec.zipf_alpha for i in range(len(names))]
+    t, out = 0.0, []
+    for i in range(spec.num_requests):
+        if spec.popularity == "none":
+            adapter = None
+        elif spec.popularity in ("identical", "uniform"):
+            adapter = rng.choice(names)
+        elif spec.popularity == "zipf":
+            adapter = rng.choices(names, weights)[0]
+        else:
+            adapter = names[i]
+        if spec.arrival == "poisson":
+            t += rng.expovariate(spec.rate)
+        prompt = [rng.randrange(vocab_size) for _ in range(_draw(rng, spec.prompt_len))]
+        out.append(WorkloadRequest(prompt, adapter, _draw(rng, spec.output_len), t))
+    return out
+
+
+def serve(engine, workload: list[WorkloadRequest],
+          sleep: Callable[[float], None] | None = None) -> list[Request]:
+    """Adds each request once its arrival time has passed on the engine's clock, stepping the
+    engine meanwhile (idle until the next arrival when nothing runs). Returns the requests in
+    workload order."""
+    sleep = sleep or time.sleep
+    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    reqs: list[Request | None] = [None] * len(workload)
+    t0 = engine.clock()
+    k = 0
+    while k < len(pending) or engine.has_work:
+        now = engine.clock() - t0
+        while k < len(pending) and workload[pending[k]].arrival <= now:
+            w = workload[pending[k]]
+            reqs[pending[k]] = engine.add_request(w.prompt, w.adapter,
+                                                  max_new_tokens=w.max_new_tokens)
+            k += 1
+        if engine.has_work:
+            engine.step()
+        elif k < len(pending):
+            sleep(max(0.0, workload[pending[k]].arrival - now))
+    return reqs  # type: ignore[return-value]
+
+
+def _bounds(x: Length) -> tuple[int, int]:
+    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
+
+
+def _draw(rng: random.Random, x: Length) -> int:
+    lo, hi = _bounds(x)
+    return rng.randint(lo, hi)

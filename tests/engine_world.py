@@ -1,0 +1,98 @@
+"""A tiny serving world for engine tests: an engine (optionally with captured graphs) and a
+separate reference runtime over identical base weights that runs any request alone."""
+
+from __future__ import annotations
+
+import torch
+from runtime_helpers import ALL_TARGETS, make_runtime
+
+from graphs import GraphRunner
+from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.engine.scheduler import SchedulerConfig
+from lora_runtime.lora.adapters import LoRAAdapter, random_adapter
+from lora_runtime.model.config import tiny
+
+DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4, 8], [8, 16, 32]
+MAX_CONTEXT, MAX_PREFILL_REQUESTS, MAX_PREFIX = 48, 4, 96
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+
+
+class EngineWorld:
+    def __init__(self, backend: str, device, *, dtype=torch.float32, layers: int = 2,
+                 slots: int = 2, kv_tokens: int = 160, graphs: bool = False) -> None:
+        self.device, self.dtype, self.slots = device, dtype, slots
+        self.config = tiny(layers)
+        self.runner = make_runtime(self.config, dtype=dtype, device=device, backend=backend,
+                                   slots=slots, max_rank=8, targets=ALL_TARGETS,
+                                   kv_tokens=kv_tokens)
+        self.lora = self.runner.lora
+        self.ref = make_runtime(self.config, dtype=dtype, device=device, backend="torch",
+                                slots=1, max_rank=8, targets=ALL_TARGETS, kv_tokens=256)
+        self.graphs = []
+        if graphs:
+            self.graphs = [
+                GraphRunner.decode(self.runner, DECODE_BUCKETS, MAX_CONTEXT).capture(),
+                GraphRunner.prefill(self.runner, PREFILL_BUCKETS, MAX_PREFILL_REQUESTS,
+                                    MAX_PREFIX).capture(),
+            ]
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.serial = 0
+
+    def engine(self, config: SchedulerConfig) -> Engine:
+        """A fresh engine over the world's runtime (cache empty, no adapter loaded)."""
+        self.lora.reset_lora_batch()
+        self.runner.kv.reset()
+        for name in list(self.lora.adapters):
+            self.lora.unload_adapter(name)
+        return Engine(self.runner, config, self.graphs, keep_logits=True)
+
+    def new_adapter(self, engine: Engine, pinned: bool = False) -> str:
+        seed = self.serial
+        g = torch.Generator().manual_seed(seed)
+        rank = int(torch.randint(1, 9, (1,), generator=g))
+        pick = torch.rand(len(ALL_TARGETS), generator=g) < 0.6
+        targets = [t for t, p in zip(ALL_TARGETS, pick, strict=True) if p] or ["o_proj"]
+        name = f"ad{self.serial}"
+        self.serial += 1
+        ad = random_adapter(self.config, name, rank, targets, seed=seed, b_std=0.3,
+                            use_rslora=bool(seed % 2), alpha=float(rank + seed % 3))
+        engine.load_adapter(name, ad, pinned=pinned)
+        self.adapters[name] = ad
+        return name
+
+    @torch.no_grad()
+    def alone(self, req: Request) -> list[torch.Tensor]:
+        """The request run by itself on the reference runtime, fed the engine's own tokens:
+        its logits at every position where the engine sampled a token."""
+        lora, kv = self.ref.lora, self.ref.kv
+        lora.reset_lora_batch()
+        for name in list(lora.adapters):
+            lora.unload_adapter(name)
+        if req.adapter is not None:
+            lora.load_adapter(req.adapter, self.adapters[req.adapter])
+        solo = Request(list(req.prompt), req.adapter, req.max_new_tokens)
+        out = [self.ref.forward_eager(build_extend([solo], kv, self.device))[0].clone()]
+        for tok in req.output[:-1]:
+            solo.output.append(tok)
+            out.append(self.ref.forward_eager(build_decode([solo], kv, self.device))[0].clone())
+        release([solo], kv)
+        return out
+
+    def check_request(self, engine: Engine, req: Request) -> int:
+        """Every logits row equals the request run alone; each greedy token equals the
+        alone run's where the top-2 margin is clear. Returns the tokens compared."""
+        got, want = engine.logits[req.id], self.alone(req)
+        assert len(got) == len(want) == len(req.output), (len(got), len(want), len(req.output))
+        tol = TOL[self.dtype]
+        compared = 0
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(
+                g, w, rtol=tol, atol=tol,
+                msg=lambda m, k=k: f"request {req.id} ({req.adapter}) token {k}: {m}")
+            top2 = w.topk(2).values
+            if float(top2[0] - top2[1]) > MARGIN[self.dtype]:
+                assert req.output[k] == int(w.argmax()), f"request {req.id} token {k}"
+                compared += 1
+        return compared
