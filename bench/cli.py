@@ -1,109 +1,157 @@
-"""``python -m bench``: runs the suites of the chosen profile, prints tables, writes results/.
+"""``python -m bench``: runs the suites of a profile case by case, verifying each case before
+timing it, and writes one JSON file per suite into a run folder, a summary table at the end
+and an HTML report (``report.html``) next to the results.
 
-Profiles: ``gpu`` (Llama-3-8B shapes, bf16, CUDA-graph timing) and ``cpu`` (tiny shapes, fp32,
-Triton interpreter, wall clock: proves the pipeline end to end, its times mean nothing).
+Where results go: a fresh, git-ignored run folder ``results/runs/<YYYYmmdd-HHMMSS>-<device>/``
+(or ``--out DIR``); the committed reference files ``results/<suite>-<device>.json`` only with
+``--publish``.
+
+Examples:
+  python -m bench --list                                  # the cases of this machine's profile
+  python -m bench --profile gpu-quick                     # a GPU smoke run (about a minute)
+  python -m bench --suite kernels --filter 'gate_up_proj T=2048 '
+  python -m bench --profile cpu --suite model --filter 'bs=1 '
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import datetime
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 import kernels  # noqa: F401  (selects the Triton interpreter on CPU before kernels load)
-from bench import hardware, kernel_bench, model_bench, provenance, results, table
-from lora_runtime.model import config as model_config
+from bench import case as case_mod
+from bench import hardware, provenance, results, table
+from bench.context import Context
+from bench.profiles import PROFILES
+from bench.progress import Progress
+from bench.suites import SUITES
+from bench.telemetry import Telemetry
+from graphs.nvtx import nvtx_range
 
-KERNEL_KEY = ("suite", "module", "tokens", "adapters", "rank", "dtype", "provider")
-MODEL_KEY = ("suite", "kind", "preset", "layers", "batch_size", "runtime", "traffic", "path",
-             "backend", "dtype")
-
-PROFILES = {
-    "gpu": dict(
-        preset="llama3-8b", dtype=torch.bfloat16, reps=30,
-        modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-        tokens=(1, 16, 64, 256, 2048), adapters=(1, 4, 16), ranks=(16, 64),
-        models=[
-            model_bench.ModelCase("tiny", 2, (1, 8, 32), 64, 4, 16, "triton", torch.bfloat16),
-            model_bench.ModelCase("llama3-8b", 4, (1, 8, 32, 64), 256, 4, 16, "triton",
-                                  torch.bfloat16),
-        ],
-    ),
-    "gpu-quick": dict(
-        preset="llama3-8b", dtype=torch.bfloat16, reps=20,
-        modules=("qkv_proj", "gate_up_proj", "down_proj"),
-        tokens=(1, 64, 2048), adapters=(1, 8), ranks=(16,),
-        models=[model_bench.ModelCase("llama3-8b", 2, (1, 32), 128, 4, 16, "triton",
-                                      torch.bfloat16)],
-    ),
-    "cpu": dict(
-        preset="tiny", dtype=torch.float32, reps=3,
-        modules=("qkv_proj", "down_proj"), tokens=(1, 16), adapters=(1, 4), ranks=(8,),
-        models=[model_bench.ModelCase("tiny", 2, (1, 4), 16, 2, 8, "torch", torch.float32)],
-    ),
-}
+RESULTS = provenance.ROOT / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=("kernels", "model", "all"), default="all")
+    p.add_argument("--suite", nargs="+", choices=(*SUITES, "all"), default=["all"],
+                   help="suites to run: " + "; ".join(f"{s.name}: {s.summary}"
+                                                       for s in SUITES.values()))
     p.add_argument("--profile", choices=("auto", *PROFILES), default="auto",
-                   help="auto: gpu when CUDA is available, else cpu")
-    p.add_argument("--filter", default="",
-                   help="regex on 'module T=<tokens> adapters=<n> r=<rank>' to run a subset")
-    p.add_argument("--out", type=Path, default=provenance.ROOT / "results")
+                   help="auto: gpu when CUDA is available, else cpu. " + "; ".join(
+                       f"{p.name}: {p.summary}" for p in PROFILES.values()))
+    p.add_argument("--filter", default="", metavar="REGEX",
+                   help="run the cases whose label matches (re.search), in every suite; "
+                        "labels as printed by --list, e.g. 'kernels qkv_proj T=16 adapters=8 "
+                        "r=16' or 'model decode llama3-8b L=4 ctx=256 bs=8 adapters=4 r=16'")
+    p.add_argument("--list", action="store_true", help="print the selected cases and exit")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="folder for this run's result files and report (default: a new "
+                        "results/runs/<YYYYmmdd-HHMMSS>-<device>/, git-ignored)")
+    p.add_argument("--publish", action="store_true",
+                   help="also upsert the rows into the committed reference files "
+                        "results/<suite>-<device>.json")
+    p.add_argument("--no-report", action="store_true", help="skip report.html")
     return p.parse_args(argv)
+
+
+def select(args, profile: str) -> dict[str, list]:
+    names = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    every = {n: SUITES[n].cases(profile) for n in names}
+    chosen = {n: case_mod.select(c, args.filter) for n, c in every.items()}
+    if not any(chosen.values()):
+        labels = [c.label for cs in every.values() for c in cs]
+        shown = "\n  ".join(labels[:30]) + (f"\n  ... ({len(labels) - 30} more: --list)"
+                                            if len(labels) > 30 else "")
+        raise SystemExit(f"--filter {args.filter!r} matches no case of suites {names} in "
+                         f"profile {profile!r}. Available labels:\n  {shown}")
+    return {n: c for n, c in chosen.items() if c}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = args.profile if args.profile != "auto" else ("gpu" if device.type == "cuda" else "cpu")
-    if name.startswith("gpu") and device.type != "cuda":
-        raise SystemExit(f"profile {name!r} needs a CUDA device; use --profile cpu")
-    prof = PROFILES[name]
-    run = provenance.collect(device) | {"profile": name}
-    ceil = hardware.measure(device, prof["dtype"])
+    cuda = torch.cuda.is_available()
+    profile = args.profile if args.profile != "auto" else ("gpu" if cuda else "cpu")
+    if PROFILES[profile].cuda and not cuda:
+        raise SystemExit(f"profile {profile!r} needs a CUDA device; use --profile cpu")
+    todo = select(args, profile)
+    if args.list:
+        for name, cases in todo.items():
+            print(f"# {name}: {len(cases)} cases (profile {profile})")
+            print("\n".join(c.label for c in cases))
+        return 0
+    device = torch.device("cuda" if PROFILES[profile].cuda else "cpu")
+    run = provenance.collect(device) | {"profile": profile, "suite_seconds": {}}
+    slug = provenance.device_slug(device)
+    out = args.out or RESULTS / "runs" / f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{slug}"
+    ceil = hardware.measure(device, PROFILES[profile].dtype)
     run["ceilings"] = ceil.as_dict()
-    print(f"device: {ceil.device_name}  copy {ceil.copy_gbps:.0f} GB/s  "
-          f"matmul {ceil.matmul_tflops:.1f} TFLOP/s  profile {name}")
-    slug = re.sub(r"[^a-z0-9]+", "-", run["device"].lower()).strip("-")
-    if args.suite in ("kernels", "all"):
-        run_kernels(prof, args, device, ceil, run, args.out / f"kernels-{slug}.json")
-    if args.suite in ("model", "all"):
-        run_models(prof, args, device, ceil, run, args.out / f"model-{slug}.json")
-    return 0
+    tele = Telemetry.open(device)
+    print(f"device: {ceil.device_name}  copy {ceil.copy_gbps:.0f} GB/s  matmul "
+          f"{ceil.matmul_tflops:.1f} TFLOP/s  profile {profile}  results: {out}")
+    if not tele.available:
+        print(f"telemetry: off ({tele.reason}); rows carry telemetry: null")
+    if device.type == "cpu":
+        print("NOTE: CPU times are wall clock of the Triton interpreter and Python; they prove "
+              "the pipeline runs end to end and mean nothing as performance figures.")
+    ctx = Context(device, ceil, PROFILES[profile].reps, profile)
+    summary = []
+    for name, cases in todo.items():
+        rows = run_suite(name, cases, ctx, tele, run, out, slug, args.publish)
+        print(f"\n{name}:\n{SUITES[name].table(rows)}")
+        bad = table.failures(rows)
+        if bad:
+            print(bad)
+        summary.append(_summary_line(name, cases, rows, run["suite_seconds"][name]))
+    print("\n" + "\n".join(summary))
+    if not args.no_report:
+        _report(out)
+    return 1 if any(r.startswith("!") for r in summary) else 0
 
 
-def run_kernels(prof, args, device, ceil, run, path) -> None:
-    cfg = model_config.PRESETS[prof["preset"]]()
-    todo = kernel_bench.cases(cfg, prof["modules"], prof["tokens"], prof["adapters"],
-                              prof["ranks"], prof["dtype"])
-    pattern = re.compile(args.filter)
-    todo = [c for c in todo
-            if pattern.search(f"{c.shape.name} T={c.tokens} adapters={c.adapters} r={c.rank}")]
+def run_suite(name, cases, ctx, tele, run, out, slug, publish) -> list[dict]:
+    path = out / f"{name}-{slug}.json"
+    run_case = SUITES[name].start(cases, ctx)
+    bar = Progress(len(cases), name)
     rows = []
-    for i, case in enumerate(todo):
-        print(f"[{i + 1}/{len(todo)}] {case.shape.name} T={case.tokens} "
-              f"adapters={case.adapters} r={case.rank}", flush=True)
-        new = kernel_bench.run_case(case, device, ceil, prof["reps"])
-        # Written case by case: a run cut short keeps what it measured.
-        results.upsert(path, run, new, key=KERNEL_KEY)
+    t0 = time.perf_counter()
+    for case in cases:
+        bar.start(case.label)
+        with tele.span() as rec, nvtx_range(case.label):
+            new = run_case(case)
+        for r in new:
+            r["telemetry"] = rec or None
+        run["suite_seconds"][name] = time.perf_counter() - t0
+        # Written case by case: a run cut short keeps what it finished.
+        results.upsert(path, run, new)
+        if publish:
+            results.upsert(RESULTS / path.name, run, new)
+        if any(r["verification"]["status"] == "failed" for r in new):
+            bar.write(f"FAILED verification: {case.label}")
         rows += new
-    print(table.kernel_table(rows))
-    print(f"wrote {len(rows)} rows to {path}")
+        bar.finish()
+    bar.close()
+    return rows
 
 
-def run_models(prof, args, device, ceil, run, path) -> None:
-    rows = []
-    for case in prof["models"]:
-        print(f"[model] {case.preset} layers={case.layers} batch sizes={case.batch_sizes} "
-              f"context={case.context} adapters={case.adapters} r={case.rank}", flush=True)
-        new = model_bench.run_model_case(case, device, ceil, prof["reps"])
-        results.upsert(path, run, new, key=MODEL_KEY)
-        rows += new
-    print(table.model_table(rows))
-    print(f"wrote {len(rows)} rows to {path}")
+def _summary_line(name, cases, rows, seconds) -> str:
+    failed = {r["label"] for r in rows if r["verification"]["status"] == "failed"}
+    mark = "!" if failed else " "
+    return (f"{mark} {name}: {len(cases)} cases, {len(cases) - len(failed)} verified, "
+            f"{len(failed)} failed, {seconds:.1f} s")
+
+
+def _report(out: Path) -> None:
+    try:
+        from bench import report
+    except ImportError as e:  # plotly missing (optional on a GPU image)
+        print(f"no report: {e} (pip install plotly, then python -m bench.report {out})")
+        return
+    html = out / "report.html"
+    report.write_report([out], [], html)
+    print(f"report: {html}", file=sys.stdout)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from bench.timing import bench_time
 
 
 @dataclass
@@ -45,47 +46,26 @@ def _measure_cuda(device, dtype) -> Ceilings:
 def _copy_seconds(n: int, device) -> float:
     src = torch.randn(n // 2, device=device, dtype=torch.float32).view(torch.bfloat16)
     dst = torch.empty_like(src)
-    return _events_median(lambda: dst.copy_(src), 20)
+    return bench_time(lambda: dst.copy_(src), device=device, mode="events", reps=20).median_us / 1e6
 
 
 def _matmul_seconds(m: int, device, dtype) -> float:
     a = torch.randn(m, m, device=device, dtype=dtype)
     b = torch.randn(m, m, device=device, dtype=dtype)
-    return _events_median(lambda: torch.mm(a, b), 10)
-
-
-def _events_median(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return bench_time(lambda: torch.mm(a, b), device=device, mode="events", reps=10).median_us / 1e6
 
 
 def _measure_cpu() -> Ceilings:
+    cpu = torch.device("cpu")
     src = torch.randn(16 * 2**20)
     dst = torch.empty_like(src)
-    t = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        t.append(time.perf_counter() - t0)
+    copy = bench_time(lambda: dst.copy_(src), device=cpu, reps=5).quantile(0.0) / 1e6
     m = 512
     a, b = torch.randn(m, m), torch.randn(m, m)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        torch.mm(a, b)
-    mm = (time.perf_counter() - t0) / 5
+    mm = bench_time(lambda: torch.mm(a, b), device=cpu, reps=5).median_us / 1e6
     return Ceilings(
         device_name=f"cpu ({platform.processor() or platform.machine()})",
-        copy_gbps=2 * src.numel() * 4 / min(t) / 1e9,
+        copy_gbps=2 * src.numel() * 4 / copy / 1e9,
         matmul_tflops=2 * m**3 / mm / 1e12,
         l2_bytes=0,
     )

@@ -1,33 +1,51 @@
 """LoRA kernels per module shape: this project's Triton kernels vs the torch reference vs the
 module's base GEMM, each timed inside a CUDA graph over enough distinct weight copies that
-they do not sit in L2, and each next to its bytes/FLOP floor."""
+they do not sit in L2, and each next to its bytes/FLOP floor. A case is first checked
+against an fp32 computation; a case that fails the check is reported as failed, not timed.
+
+Rows: one per provider (``triton``, ``triton_shrink``, ``triton_expand``, ``torch``, ``base``);
+derived: ``x_floor``, ``achieved_gbps``, ``pct_of_base``, ``base_us``, the floors, ``copies``.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from bench import nvtx_ranges
-from bench.hardware import Ceilings
+from bench.case import Case
+from bench.context import Context
 from bench.lora_check import lora_delta_fp32, relative_error
+from bench.results import make_row
 from bench.timing import bench_time
+from graphs.nvtx import nvtx_range
 from kernels import LoRAWeights, SegmentLayout, lora_expand, lora_shrink, plan_segments
 from kernels.reference import expand_reference, shrink_reference
-from lora_runtime.model.config import LlamaConfig, ModuleShape
+from lora_runtime.model.config import PRESETS, ModuleShape
 
 TORCH_GATHER_LIMIT = 2 * 2**30  # the reference gathers weights per row; beyond this, skip it
 CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 @dataclass(frozen=True)
-class KernelCase:
-    shape: ModuleShape
+class KernelCase(Case):
+    suite = "kernels"
+    preset: str
+    module: str
     tokens: int
     adapters: int
     rank: int
     dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        return f"kernels {self.module} T={self.tokens} adapters={self.adapters} r={self.rank}"
+
+    @cached_property
+    def shape(self) -> ModuleShape:
+        return PRESETS[self.preset]().module_shape(self.module)
 
     @property
     def regime(self) -> str:
@@ -51,10 +69,12 @@ class KernelCase:
         return list(range(self.adapters)), lens
 
 
-def cases(config: LlamaConfig, modules, tokens, adapters, ranks, dtype) -> list[KernelCase]:
+def cases(preset: str, modules, tokens, adapters, ranks, dtype) -> list[KernelCase]:
+    """The sweep, without cases with more adapters than tokens (they time the same launches
+    as ``adapters == tokens``)."""
     return [
-        KernelCase(config.module_shape(m), t, a, r, dtype)
-        for m in modules for t in tokens for a in adapters for r in ranks
+        KernelCase(preset, m, t, a, r, dtype)
+        for m in modules for t in tokens for a in adapters for r in ranks if a <= t
     ]
 
 
@@ -94,40 +114,47 @@ def make_weights(case: KernelCase, device) -> LoRAWeights:
     return w
 
 
-def run_case(case: KernelCase, device: torch.device, ceil: Ceilings, reps: int) -> list[dict]:
+def run_case(case: KernelCase, ctx: Context) -> list[dict]:
     slots, lens = case.token_slots()
     plan = plan_segments(slots, lens, block_m=case.block_m)
-    layout = SegmentLayout.from_plan(plan, device)
-    fl = floors(case)
-    label = f"{case.shape.name} T={case.tokens} adapters={case.adapters} r={case.rank}"
-    with nvtx_ranges.range(f"kernels {label}"):
-        results, errors = _time_lora(case, layout, plan.token_slots, device, ceil, reps, label)
-        results["base"] = _time_base(case, device, ceil, reps, label)
+    layout = SegmentLayout.from_plan(plan, ctx.device)
+    try:
+        results, errors = _time_lora(case, layout, plan.token_slots, ctx)
+    except VerificationError as e:
+        return [make_row(case, ctx.profile, {"provider": "triton"},
+                         verification={"status": "failed", "error": str(e)})]
+    results["base"] = _time_base(case, ctx)
     base_us = results["base"][0].median_us
+    fl = floors(case)
     rows = []
     for name, (timing, copies) in results.items():
         kind = {"triton_shrink": "shrink", "triton_expand": "expand", "base": "base"}.get(
             name, "lora")
         nbytes, flops = fl[kind]
+        ceil = ctx.ceilings
         floor_us = max(nbytes / (ceil.copy_gbps * 1e3), flops / (ceil.matmul_tflops * 1e6))
         med = timing.median_us
-        rows.append({
-            "suite": "kernels", "module": case.shape.name, "regime": case.regime,
-            "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
-            "dtype": str(case.dtype).removeprefix("torch."), "provider": name,
-            **timing.summary(), "copies": copies,
-            "floor_bytes": nbytes, "floor_flops": flops, "floor_us": floor_us,
-            "x_floor": med / floor_us if floor_us else None,
+        derived = {
+            "regime": case.regime, "copies": copies, "floor_bytes": nbytes, "floor_flops": flops,
+            "floor_us": floor_us, "x_floor": med / floor_us if floor_us else None,
             "achieved_gbps": nbytes / (med * 1e3) if med else None,
             "base_us": base_us, "pct_of_base": 100 * med / base_us if base_us else None,
-            "max_rel_err": errors.get(name.split("_")[0]),
-        })
+        }
+        ver = {"status": "verified", "error": None,
+               "max_rel_err": errors.get(name.split("_")[0])}
+        rows.append(make_row(case, ctx.profile, {"provider": name}, timing=timing,
+                             derived=derived, verification=ver))
     return rows
 
 
-def _time_lora(case, layout, token_slots, device, ceil, reps, label):
+class VerificationError(AssertionError):
+    """A provider's LoRA output differs from the fp32 reference."""
+
+
+def _time_lora(case, layout, token_slots, ctx):
+    device, reps = ctx.device, ctx.reps
     k, n = case.shape.in_features, case.shape.out_features
-    copies = copies_for(floors(case)["lora"][0], ceil.l2_bytes, device)
+    copies = copies_for(floors(case)["lora"][0], ctx.ceilings.l2_bytes, device)
     ws = [make_weights(case, device) for _ in range(copies)]
     xs = [torch.randn(case.tokens, k, dtype=case.dtype, device=device) for _ in ws]
     ys = [torch.randn(case.tokens, n, dtype=case.dtype, device=device) for _ in ws]
@@ -146,21 +173,22 @@ def _time_lora(case, layout, token_slots, device, ceil, reps, label):
         ]
     results = {}
     for name, fn in timed.items():
-        with nvtx_ranges.range(f"{name} {label}"):
+        with nvtx_range(f"{name} {case.label}"):
             results[name] = (bench_time(fn, device=device, calls=copies, reps=reps), copies)
     return results, errors
 
 
-def _time_base(case, device, ceil, reps, label):
+def _time_base(case, ctx):
+    device, reps = ctx.device, ctx.reps
     k, n = case.shape.in_features, case.shape.out_features
-    copies = copies_for(floors(case)["base"][0], ceil.l2_bytes, device)
+    copies = copies_for(floors(case)["base"][0], ctx.ceilings.l2_bytes, device)
     each = [
         (torch.randn(case.tokens, k, dtype=case.dtype, device=device),
          torch.randn(n, k, dtype=case.dtype, device=device) * k**-0.5,
          torch.empty(case.tokens, n, dtype=case.dtype, device=device))
         for _ in range(copies)
     ]
-    with nvtx_ranges.range(f"base {label}"):
+    with nvtx_range(f"base {case.label}"):
         timing = bench_time(lambda: [torch.mm(x, w.t(), out=y) for x, w, y in each],
                             device=device, calls=copies, reps=reps)
     return timing, copies
@@ -187,5 +215,6 @@ def _check(case, w, x, layout, token_slots) -> dict[str, float]:
     tol = CHECK_TOL[case.dtype] + rounding.item()
     bad = {k: v for k, v in errs.items() if not v <= tol}
     if bad:
-        raise AssertionError(f"{case}: LoRA output differs from fp32 reference: {bad} > {tol}")
+        raise VerificationError(f"{case.label}: LoRA output differs from the fp32 reference: "
+                                f"relative errors {bad} > tolerance {tol:.3g}")
     return errs

@@ -1,9 +1,17 @@
-"""Decode step time of the whole model: eager vs CUDA graph, with and without LoRA, and a
-LoRA-enabled runtime serving base-only traffic (which must cost nothing).
+"""Decode step of the whole model: eager vs graph, a runtime without LoRA, and a LoRA runtime
+serving base-only traffic (which must cost nothing) and LoRA traffic.
 
-Paths: ``eager`` (prepare + eager forward), ``graph`` (what a serving loop calls per step:
-LoRA plan, static-buffer refresh, replay) and ``replay_only`` (the captured graph alone: the
-device time, without host-side preparation). Each next to the weight-bytes floor."""
+A case is one runtime (``adapters == 0``: built without LoRA) at one batch size. Paths:
+``eager`` (prepare + eager forward), ``graph`` (what a serving loop calls per step: LoRA plan,
+static-buffer refresh, replay) and ``replay_only`` (the captured graph alone). Before timing,
+every traffic of the case is verified: the graph step equals an eager forward of the same
+batch, the expected graph (with or without LoRA) replayed, and the static LoRA buffers are
+neutral past the batch. A case that fails is reported as failed and not timed.
+
+Rows: one per (traffic, path); derived: ``tokens_per_s``, ``weight_bytes``, ``floor_us``
+(weight bytes over the measured copy bandwidth), ``x_floor``, ``graph_kind`` and, on graph
+rows, the runtime's capture figures.
+"""
 
 from __future__ import annotations
 
@@ -11,101 +19,134 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import nvtx_ranges
-from bench.hardware import Ceilings
+from bench.case import Case
+from bench.context import Context
+from bench.model_runtime import BenchRuntime
+from bench.results import make_row
 from bench.timing import bench_time
-from graphs import GraphRunner
-from lora_runtime.engine.kv_cache import KVCache
-from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request, build_decode, build_extend
-from lora_runtime.lora.adapters import random_adapter
-from lora_runtime.lora.lora_config import LoRAConfig
-from lora_runtime.lora.manager import LoRAManager
-from lora_runtime.model.config import PRESETS
-from lora_runtime.model.llama import LlamaForCausalLM
+from graphs.nvtx import nvtx_range
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+PATHS = ("eager", "graph", "replay_only")
 
 
 @dataclass(frozen=True)
-class ModelCase:
+class ModelCase(Case):
+    suite = "model"
+    step: str
     preset: str
     layers: int
-    batch_sizes: tuple[int, ...]
     context: int
+    batch_size: int
     adapters: int
-    rank: int
+    """0: a runtime built without LoRA."""
+    ranks: tuple[int, ...]
+    """Adapter i has rank ranks[i % len(ranks)] (several: a mixed-rank set)."""
     backend: str
     dtype: torch.dtype
 
+    def __post_init__(self) -> None:
+        if self.step != "decode":
+            raise ValueError(f"model step {self.step!r} is not benchmarked yet; use 'decode'")
+        if self.adapters and not self.ranks:
+            raise ValueError("a LoRA case needs ranks, e.g. ranks=(16,)")
 
-def run_model_case(case: ModelCase, device: torch.device, ceil: Ceilings, reps: int) -> list[dict]:
-    """Two runtimes over identical weights: one built without LoRA, one with LoRA serving
-    base-only traffic and LoRA traffic."""
-    rows = []
-    for runtime in ("no_lora", "lora"):
-        rows += _run_runtime(case, runtime, device, ceil, reps)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+    @property
+    def label(self) -> str:
+        rt = (f"adapters={self.adapters} r={'/'.join(map(str, self.ranks))}" if self.adapters
+              else "no-lora")
+        return (f"model {self.step} {self.preset} L={self.layers} ctx={self.context} "
+                f"bs={self.batch_size} {rt}")
 
+    @property
+    def runtime_key(self) -> tuple:
+        """Cases that can share one runtime (they differ in batch size only)."""
+        return (self.preset, self.layers, self.context, self.adapters, self.ranks,
+                self.backend, self.dtype)
 
-def _run_runtime(case, runtime, device, ceil, reps) -> list[dict]:
-    config = PRESETS[case.preset](case.layers)
-    model = LlamaForCausalLM.random(config, case.dtype, device)
-    max_bs = max(case.batch_sizes)
-    kv = KVCache(config, max_bs * (case.context + 8) + 8, case.dtype, device)
-    names, lora = [], None
-    if runtime == "lora":
-        lora = LoRAManager(model, LoRAConfig(max(1, case.adapters), case.rank,
-                                             backend=case.backend))
-        names = [f"bench{i}" for i in range(case.adapters)]
-        for i, n in enumerate(names):
-            lora.load_adapter(n, random_adapter(config, n, case.rank, seed=i, dtype=case.dtype))
-    runner = ModelRunner(model, kv, lora)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    with nvtx_ranges.range(f"capture {case.preset} L={case.layers} {runtime}"):
-        graphs = GraphRunner.decode(runner, list(case.batch_sizes), case.context + 8).capture()
-    runner.graphs.clear()  # eager and graph paths are timed explicitly below
-    rows = []
-    for bs in case.batch_sizes:
-        for traffic in (["base"] if lora is None else ["base", "lora"]):
-            adapters = [names[i % len(names)] if traffic == "lora" else None for i in range(bs)]
-            reqs = [Request(torch.randint(0, config.vocab_size, (case.context,)).tolist(), a, 4)
-                    for a in adapters]
-            group = max(1, 2048 // case.context)  # prefill attention is dense per batch
-            for i in range(0, bs, group):
-                runner.forward_eager(build_extend(reqs[i : i + group], kv, device))
-            for r in reqs:
-                r.output.append(1)
-            batch = build_decode(reqs, kv, device)
-            label = f"{case.preset} L={case.layers} bs={bs} {runtime}/{traffic}"
-            graphs.replay(batch)  # refreshes the static buffers for the replay-only timing
-            captured = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))]
-            for path, fn in (("eager", lambda b=batch: runner.forward_eager(b)),
-                             ("graph", lambda b=batch: graphs.replay(b)),
-                             ("replay_only", captured.replay)):
-                with nvtx_ranges.range(f"decode {path} {label}"):
-                    t = bench_time(fn, device=device, mode="events", reps=reps, warmup=3)
-                rows.append(_row(case, bs, runtime, traffic, path, t, weight_bytes, ceil,
-                                 graphs.last_kind if path != "eager" else None))
-            kv.free([s for r in reqs for s in r.kv_slots])
-    rows.append({
-        "suite": "model", "kind": "capture", "preset": case.preset, "layers": case.layers,
-        "runtime": runtime, "backend": case.backend,
-        "dtype": str(case.dtype).removeprefix("torch."), "buckets": list(case.batch_sizes),
-        "capture_seconds": graphs.stats.total_capture_seconds,
-        "graph_memory_bytes": graphs.stats.memory_bytes, "graphs": len(graphs.graphs),
-    })
-    return rows
+    @property
+    def traffics(self) -> tuple[str, ...]:
+        return ("base", "lora") if self.adapters else ("base",)
 
 
-def _row(case, bs, runtime, traffic, path, t, weight_bytes, ceil, graph_kind) -> dict:
-    floor_us = weight_bytes / (ceil.copy_gbps * 1e3)
-    return {
-        "suite": "model", "kind": "decode_step", "preset": case.preset, "layers": case.layers,
-        "batch_size": bs, "context": case.context, "runtime": runtime, "traffic": traffic,
-        "adapters": case.adapters if traffic == "lora" else 0, "rank": case.rank,
-        "backend": case.backend, "dtype": str(case.dtype).removeprefix("torch."),
-        "path": path, "graph_kind": graph_kind, **t.summary(),
-        "tokens_per_s": bs / (t.median_us * 1e-6), "weight_bytes": weight_bytes,
-        "floor_us": floor_us, "x_floor": t.median_us / floor_us,
-    }
+def cases(step: str, preset: str, layers: int, context: int, batch_sizes, runtimes,
+          backend: str, dtype: torch.dtype) -> list[ModelCase]:
+    """``runtimes``: (adapters, ranks) pairs; (0, ()) is the runtime without LoRA."""
+    return [ModelCase(step, preset, layers, context, bs, a, tuple(r), backend, dtype)
+            for a, r in runtimes for bs in batch_sizes]
+
+
+class RuntimeCache:
+    """Keeps the runtime of the last case, so consecutive cases of one runtime share it; the
+    runtime captures one bucket per selected batch size of its cases."""
+
+    def __init__(self, todo: list[ModelCase], device: torch.device) -> None:
+        self.device = device
+        self.sizes: dict[tuple, list[int]] = {}
+        for c in todo:
+            self.sizes.setdefault(c.runtime_key, []).append(c.batch_size)
+        self.key, self.runtime = None, None
+
+    def get(self, case: ModelCase) -> BenchRuntime:
+        if case.runtime_key != self.key:
+            self.runtime = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            with nvtx_range(f"capture {case.label}"):
+                self.runtime = BenchRuntime(
+                    case.preset, case.layers, case.context, case.adapters, case.ranks,
+                    case.backend, case.dtype, self.sizes[case.runtime_key], self.device)
+            self.key = case.runtime_key
+        return self.runtime
+
+
+def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict]:
+    rt = runtimes.get(case)
+    batches = {t: rt.decode_batch(case.batch_size, t) for t in case.traffics}
+    try:
+        try:
+            checks = {t: _verify(case, rt, batch) for t, (batch, _) in batches.items()}
+        except AssertionError as e:
+            return [make_row(case, ctx.profile, {"traffic": "all", "path": "graph"},
+                             verification={"status": "failed", "error": str(e)})]
+        rows = []
+        for traffic, (batch, _) in batches.items():
+            for path in PATHS:
+                fn = {"eager": lambda b=batch: rt.eager(b), "graph": lambda b=batch: rt.step(b),
+                      "replay_only": rt.replay_only(batch)}[path]
+                with nvtx_range(f"{path} {traffic} {case.label}"):
+                    t = bench_time(fn, device=ctx.device, mode="events", reps=ctx.reps, warmup=3)
+                derived = _derived(case, rt, t, ctx, None if path == "eager" else rt.last_kind)
+                if path == "graph":
+                    derived |= rt.capture_stats
+                rows.append(make_row(case, ctx.profile, {"traffic": traffic, "path": path},
+                                     timing=t, derived=derived, verification=checks[traffic]))
+        return rows
+    finally:
+        for _, reqs in batches.values():
+            rt.release(reqs)
+
+
+def _verify(case: ModelCase, rt: BenchRuntime, batch) -> dict:
+    eager = rt.eager(batch).clone()
+    got = rt.step(batch)
+    tol = TOL[case.dtype]
+    err = ((got.float() - eager.float()).abs().max() / eager.float().abs().max()).item()
+    torch.testing.assert_close(got, eager, rtol=tol, atol=tol, msg=lambda m: (
+        f"{case.label}: graph replay differs from the eager forward of the same batch "
+        f"({rt.last_kind} graph): {m}"))
+    want = rt.expected_kind(batch)
+    if rt.last_kind != want:
+        raise AssertionError(f"{case.label}: replayed the {rt.last_kind} graph, expected {want}")
+    if rt.last_kind == "lora":
+        rt.check_neutral_past(batch.num_tokens, batch.batch_size)
+    return {"status": "verified", "error": None, "max_rel_err_vs_eager": err,
+            "checks": ["replay == eager", "graph kind", "neutral past the batch"
+                       if rt.last_kind == "lora" else "no LoRA graph"]}
+
+
+def _derived(case, rt, t, ctx, graph_kind) -> dict:
+    floor_us = rt.weight_bytes / (ctx.ceilings.copy_gbps * 1e3)
+    return {"graph_kind": graph_kind, "tokens_per_s": case.batch_size / (t.median_us * 1e-6),
+            "weight_bytes": rt.weight_bytes, "floor_us": floor_us,
+            "x_floor": t.median_us / floor_us}

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import triton
 
+from bench import telemetry
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,32 +34,34 @@ def _sha() -> str:
     return os.environ.get("MULTILORA_GIT_SHA", "unknown")
 
 
-def driver_version() -> str:
-    try:
-        import pynvml
+def _dirty() -> bool | None:
+    if not (ROOT / ".git").exists():
+        return None  # a copy without .git: unknown
+    return bool(_git("status", "--porcelain", "--untracked-files=no"))
 
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else v
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML (CPU machine, or the library is missing): not an error here
-        return ""
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def device_slug(device: torch.device) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
 
 
 def collect(device: torch.device) -> dict:
+    now = datetime.datetime.now(datetime.UTC)
     return {
         # Copies of the tree without .git (a lent GPU machine) pass the sha in the environment.
         "git_sha": _sha(),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "git_dirty": _dirty(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda or "",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "driver": driver_version() if device.type == "cuda" else "",
+        "device": device_name(device),
+        "driver": telemetry.driver_version() if device.type == "cuda" else "",
         "host": platform.node(),
         "command": " ".join(shlex.quote(a) for a in ["python", "-m", "bench", *sys.argv[1:]]),
-        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "timestamp": now.isoformat(timespec="seconds"),
+        "run_id": f"{now:%Y%m%d-%H%M%S}-{_sha()[:10]}",
     }

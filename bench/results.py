@@ -1,24 +1,86 @@
-"""Result files: JSON with the runs that produced them and tidy rows, upserted by key, so a
-re-run of one case replaces its row and leaves the others."""
+"""Result files and rows.
+
+A file: ``{"schema": 2, "runs": {run_id: provenance}, "rows": [...]}``, one per suite and
+device (``<suite>-<device>.json``). Rows are written as each case finishes (an interrupted
+run keeps what it finished) and upserted by case: a re-run of a case replaces its rows only.
+
+A row (schema 2)::
+
+    schema, suite, label, reproduce, run_id
+    <the case's fields>        the key, listed in "case_key" (derived from the case dataclass)
+    <variant fields>           e.g. provider, or traffic + path; listed in "variant"
+    stats                      {median_us, p20_us, p80_us, mean_us, min_us, max_us, n, mode}
+                               (null when the case was not timed)
+    samples_us                 the raw per-call samples
+    derived                    figures judged against the hardware (x_floor, pct_of_base, ...)
+    telemetry                  bench.telemetry record of the case, or null
+    verification               {"status": "verified" | "failed" | "unverified", "error", ...}
+
+Files of schema 1 (flat stats, no verification) are migrated when read (``bench.migrate``).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from bench import migrate
+from bench.case import Case
 
-def upsert(path: Path, run: dict, rows: list[dict], key: tuple[str, ...]) -> dict:
-    data = {"runs": {}, "rows": []}
-    if path.exists():
-        data = json.loads(path.read_text())
-    run_id = f"{run['timestamp']}-{run['git_sha'][:10]}"
+SCHEMA = 2
+
+
+def make_row(case: Case, profile: str, variant: dict, *, timing=None, derived=None,
+             telemetry=None, verification=None) -> dict:
+    return {
+        "schema": SCHEMA, "suite": case.suite, "label": case.label,
+        "reproduce": case.reproduce(profile), **case.key(), "case_key": sorted(case.key()),
+        **variant, "variant": sorted(variant),
+        "stats": None if timing is None else timing.stats(),
+        "samples_us": [] if timing is None else list(timing.samples_us),
+        "derived": derived or {}, "telemetry": telemetry or None,
+        "verification": verification or {"status": "unverified"},
+    }
+
+
+def case_id(row: dict) -> tuple:
+    return (row["suite"], *((k, row.get(k)) for k in row["case_key"]))
+
+
+def row_id(row: dict) -> tuple:
+    return (*case_id(row), *((k, row.get(k)) for k in row["variant"]))
+
+
+def load(path: Path) -> dict:
+    """A result file, migrated to the current schema in memory."""
+    data = json.loads(Path(path).read_text())
+    return migrate.to_current(data)
+
+
+def upsert(path: Path, run: dict, rows: list[dict]) -> dict:
+    """Write ``rows`` (all of one or more cases) into ``path``, replacing those cases' rows."""
+    data = load(path) if path.exists() else {"schema": SCHEMA, "runs": {}, "rows": []}
+    run_id = run["run_id"]
     data["runs"][run_id] = run
-    fresh = {tuple(r.get(k) for k in key) for r in rows}
-    kept = [r for r in data["rows"] if tuple(r.get(k) for k in key) not in fresh]
-    stamped = [r | {"run_id": run_id, "reproduce": run["command"]} for r in rows]
-    data["rows"] = kept + stamped
+    fresh = {case_id(r) for r in rows}
+    kept = [r for r in data["rows"] if case_id(r) not in fresh]
+    data["rows"] = kept + [r | {"run_id": run_id} for r in rows]
     live = {r["run_id"] for r in data["rows"]}
     data["runs"] = {k: v for k, v in data["runs"].items() if k in live}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)  # an interrupt mid-write leaves the previous file whole
     return data
+
+
+def rows_of(paths: list[Path]) -> tuple[list[dict], dict]:
+    """Rows and runs of result files or run folders (every ``*.json`` in a folder)."""
+    rows, runs = [], {}
+    for p in paths:
+        files = sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)]
+        for f in files:
+            data = load(f)
+            rows += data["rows"]
+            runs |= data["runs"]
+    return rows, runs

@@ -17,7 +17,6 @@ import kernels  # noqa: F401
 from bench import hardware, kernel_bench
 from bench.timing import bench_time
 from kernels import SegmentLayout, lora_expand, lora_shrink, plan_segments
-from lora_runtime.model import config as model_config
 
 
 def main(argv=None) -> int:
@@ -34,8 +33,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = model_config.PRESETS[args.preset]()
-    case = kernel_bench.KernelCase(cfg.module_shape(args.module), args.tokens, args.adapters,
+    case = kernel_bench.KernelCase(args.preset, args.module, args.tokens, args.adapters,
                                    args.rank, dtype)
     slots, lens = case.token_slots()
     layout = SegmentLayout.from_plan(plan_segments(slots, lens, block_m=case.block_m), device)

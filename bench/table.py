@@ -1,61 +1,101 @@
-"""Plain-text tables for the terminal (the JSON holds every field)."""
+"""Plain-text tables for the terminal (the JSON holds every field). Columns are sized from
+their contents, so figures never run together."""
 
 from __future__ import annotations
 
 
-def _fmt(v, spec: str) -> str:
-    width = int(spec.split(".")[0])
-    return f"{'-' if v is None else format(v, '.' + spec.split('.')[1]):>{width}}"
+def fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render(headers: list[str], rows: list[list[str]], right_from: int = 1) -> str:
+    """Columns separated by two spaces; columns from ``right_from`` on are right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i >= right_from else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths),
+                      *(line(r) for r in rows)])
+
+
+def _med(row: dict | None):
+    return None if row is None or not row.get("stats") else row["stats"]["median_us"]
 
 
 def kernel_table(rows: list[dict]) -> str:
+    return render(*kernel_cells(rows))
+
+
+def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     by_case: dict[tuple, dict[str, dict]] = {}
     for r in rows:
+        if r["verification"]["status"] == "failed":
+            continue
         key = (r["module"], r["tokens"], r["adapters"], r["rank"])
         by_case.setdefault(key, {})[r["provider"]] = r
-    head = (f"{'module':<13}{'T':>6}{'ad':>4}{'r':>4} | {'lora us':>9}{'x floor':>9}{'GB/s':>7}"
-            f" | {'shrink':>8}{'expand':>8} | {'torch us':>9} | {'base us':>9}{'% base':>10}")
-    out = [head, "-" * len(head)]
-    for (m, t, a, r), p in by_case.items():
-        tri, base = p.get("triton", {}), p.get("base", {})
-        out.append(
-            f"{m:<13}{t:>6}{a:>4}{r:>4} | {_fmt(tri.get('median_us'), '9.1f')}"
-            f"{_fmt(tri.get('x_floor'), '9.3g')}{_fmt(tri.get('achieved_gbps'), '7.0f')}"
-            f" | {_fmt(p.get('triton_shrink', {}).get('median_us'), '8.1f')}"
-            f"{_fmt(p.get('triton_expand', {}).get('median_us'), '8.1f')}"
-            f" | {_fmt(p.get('torch', {}).get('median_us'), '9.1f')}"
-            f" | {_fmt(base.get('median_us'), '9.1f')}{_fmt(tri.get('pct_of_base'), '9.3g')}%"
-        )
-    return "\n".join(out)
+    out = []
+    for (m, t, a, rk), p in by_case.items():
+        tri = p.get("triton", {})
+        d = tri.get("derived", {})
+        out.append([m, str(t), str(a), str(rk), fmt(_med(tri)), fmt(d.get("x_floor"), ".3g"),
+                    fmt(d.get("achieved_gbps"), ".0f"), fmt(_med(p.get("triton_shrink"))),
+                    fmt(_med(p.get("triton_expand"))), fmt(_med(p.get("torch"))),
+                    fmt(_med(p.get("base"))), fmt(d.get("pct_of_base"), ".3g") + "%"])
+    return (["module", "T", "adapters", "r", "LoRA us", "x floor", "GB/s", "shrink us",
+             "expand us", "torch ref us", "base GEMM us", "LoRA % of base"], out)
+
+
+MODEL_HEADERS = ["model", "bs", "adapters", "r", "eager, no LoRA", "graph step, no-LoRA runtime",
+                 "graph step, LoRA runtime, base traffic", "graph step, LoRA traffic",
+                 "replay only: base / LoRA", "LoRA cost: step / replay only",
+                 "graph speed-up, LoRA traffic"]
 
 
 def model_table(rows: list[dict]) -> str:
-    steps = [r for r in rows if r["kind"] == "decode_step"]
-    by_case: dict[tuple, dict[tuple, dict]] = {}
-    for r in steps:
-        key = (r["preset"], r["layers"], r["batch_size"])
-        by_case.setdefault(key, {})[(r["runtime"], r["traffic"], r["path"])] = r
-    cols = [("no_lora", "base"), ("lora", "base"), ("lora", "lora")]
-    head = (f"{'model':<10}{'L':>3}{'bs':>5} |" + "".join(
-        f" {rt + '/' + tr:>24} |" for rt, tr in cols)
-        + f" {'LoRA cost':>9} {'graph gain':>10}")
-    out = ["decode step, median us: eager / graph step / replay only", head, "-" * len(head)]
-    for (preset, layers, bs), p in by_case.items():
-        cells = []
-        for rt, tr in cols:
-            e = p.get((rt, tr, "eager"), {}).get("median_us")
-            g = p.get((rt, tr, "graph"), {}).get("median_us")
-            o = p.get((rt, tr, "replay_only"), {}).get("median_us")
-            cells.append(f" {_fmt(e, '8.0f')}/{_fmt(g, '7.0f')}/{_fmt(o, '7.0f')} |")
-        base_g = p.get(("no_lora", "base", "graph"), {}).get("median_us")
-        lora_g = p.get(("lora", "lora", "graph"), {}).get("median_us")
-        lora_e = p.get(("lora", "lora", "eager"), {}).get("median_us")
-        cost = 100 * (lora_g / base_g - 1) if base_g and lora_g else None
-        gain = lora_e / lora_g if lora_e and lora_g else None
-        out.append(f"{preset:<10}{layers:>3}{bs:>5} |" + "".join(cells)
-                   + f" {_fmt(cost, '8.1f')}% {_fmt(gain, '9.2f')}x")
-    caps = [r for r in rows if r["kind"] == "capture"]
-    for r in caps:
-        out.append(f"capture {r['preset']} L={r['layers']} {r['runtime']}: {r['graphs']} graphs "
-                   f"in {r['capture_seconds']:.2f} s, {r['graph_memory_bytes'] / 2**20:.1f} MiB")
-    return "\n".join(out)
+    return render(*model_cells(rows))
+
+
+def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """One line per LoRA runtime and batch size, next to the runtime without LoRA of the same
+    model and batch size (microseconds)."""
+    ok = [r for r in rows if r.get("stats")]
+    cell = {}
+    for r in ok:
+        base = (r["step"], r["preset"], r["layers"], r["context"], r["batch_size"], r["dtype"])
+        cell[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = _med(r)
+    out = []
+    for (base, adapters, ranks, traffic, path) in cell:
+        if not adapters or traffic != "lora" or path != "graph":
+            continue
+        step, preset, layers, _, bs, _ = base
+
+        def nl(p, base=base):
+            return cell.get((base, 0, "", "base", p))
+
+        def lo(t, p, base=base, adapters=adapters, ranks=ranks):
+            return cell.get((base, adapters, ranks, t, p))
+
+        step_cost = _pct(lo("lora", "graph"), nl("graph"))
+        replay_cost = _pct(lo("lora", "replay_only"), nl("replay_only"))
+        gain = (lo("lora", "eager") / lo("lora", "graph")
+                if lo("lora", "eager") and lo("lora", "graph") else None)
+        out.append([f"{preset} ({layers} layers, {step})", str(bs), str(adapters), ranks,
+                    fmt(nl("eager"), ".0f"), fmt(nl("graph"), ".0f"),
+                    fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),
+                    f"{fmt(nl('replay_only'), '.0f')} / {fmt(lo('lora', 'replay_only'), '.0f')}",
+                    f"{fmt(step_cost)}% / {fmt(replay_cost)}%",
+                    "-" if gain is None else f"{gain:.1f}x"])
+    return MODEL_HEADERS, out
+
+
+def _pct(x, base):
+    return 100 * (x / base - 1) if x and base else None
+
+
+def failures(rows: list[dict]) -> str:
+    bad = [r for r in rows if r["verification"]["status"] == "failed"]
+    return "\n".join(f"FAILED {r['label']}: {r['verification']['error']}\n  reproduce: "
+                     f"{r['reproduce']}" for r in bad)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphs.replayable import capture_cuda_graph
+
 
 @dataclass
 class Timing:
@@ -24,21 +26,12 @@ class Timing:
     def median_us(self) -> float:
         return statistics.median(self.samples_us)
 
-    @property
-    def p20_us(self) -> float:
-        return self.quantile(0.2)
-
-    @property
-    def p80_us(self) -> float:
-        return self.quantile(0.8)
-
-    def summary(self) -> dict:
+    def stats(self) -> dict:
+        s = self.samples_us
         return {
-            "median_us": self.median_us,
-            "p20_us": self.p20_us,
-            "p80_us": self.p80_us,
-            "samples": len(self.samples_us),
-            "timing_mode": self.mode,
+            "median_us": self.median_us, "p20_us": self.quantile(0.2),
+            "p80_us": self.quantile(0.8), "mean_us": statistics.fmean(s),
+            "min_us": min(s), "max_us": max(s), "n": len(s), "mode": self.mode,
         }
 
 
@@ -52,7 +45,8 @@ def bench_time(
     reps: int = 30,
 ) -> Timing:
     """Time ``fn``, which performs ``calls`` logical calls (e.g. one per layer copy), and
-    return microseconds per logical call."""
+    return microseconds per logical call. ``mode``: "graph" (``fn`` captured once into a CUDA
+    graph, replays timed with events) or "events" (eager calls between CUDA events)."""
     if device.type != "cuda":
         return _wall(fn, calls, warmup=min(warmup, 1), reps=reps)
     if mode == "graph":
@@ -87,24 +81,8 @@ def _events(fn, calls, warmup, reps) -> Timing:
     return Timing([s.elapsed_time(e) * 1e3 / calls for s, e in pairs], "events")
 
 
-def capture_graph(fn: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        # Compiles Triton kernels and warms the allocator and cuBLAS outside the capture.
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _graph(fn, calls, warmup, reps) -> Timing:
-    graph = capture_graph(fn)
+    graph, _ = capture_cuda_graph(fn, warmup=2)
     for _ in range(warmup):
         graph.replay()
     t = _events(graph.replay, calls, 0, reps)

@@ -21,16 +21,26 @@ class Replayable:
         raise NotImplementedError
 
 
+def capture_cuda_graph(fn: Callable[[], object], warmup: int = 1,
+                       pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture ``fn`` into a CUDA graph after ``warmup`` eager calls on a side stream (they
+    compile Triton kernels and warm the allocator and cuBLAS outside the capture). Returns the
+    graph and what the captured call returned (static outputs, valid after each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
+
+
 class CudaGraph(Replayable):
     def __init__(self, fn: Callable[[], torch.Tensor], pool) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn()
+        self.graph, self.output = capture_cuda_graph(fn, warmup=1, pool=pool)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
@@ -42,7 +52,9 @@ class TracedGraph(Replayable):
         self.module = make_fx(fn)()
 
     def replay(self) -> torch.Tensor:
-        return self.module()
+        # Like a CUDA graph replay, a traced replay is not part of any autograd history.
+        with torch.no_grad():
+            return self.module()
 
 
 def capture(fn: Callable[[], torch.Tensor], device: torch.device, pool=None) -> Replayable:

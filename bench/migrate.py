@@ -1,0 +1,69 @@
+"""Reads result files of older schemas as the current one (in memory; the files on disk are
+rewritten only when a run upserts into them).
+
+Schema 1 (before the case dataclasses): flat rows with the stats at the top level, keyed by
+hand-written tuples; model rows had a ``runtime`` field and ``kind: capture`` rows; kernel
+cases were checked against fp32 (a failure stopped the run), model cases were not verified.
+"""
+
+from __future__ import annotations
+
+STATS = ("median_us", "p20_us", "p80_us")
+KERNEL_DERIVED = ("regime", "copies", "floor_bytes", "floor_flops", "floor_us", "x_floor",
+                  "achieved_gbps", "base_us", "pct_of_base")
+MODEL_DERIVED = ("graph_kind", "tokens_per_s", "weight_bytes", "floor_us", "x_floor")
+PRESET_OF_PROFILE = {"gpu": "llama3-8b", "gpu-quick": "llama3-8b", "cpu": "tiny"}
+
+
+def to_current(data: dict) -> dict:
+    if data.get("schema", 1) >= 2:
+        return data
+    runs = {k: v | {"run_id": v.get("run_id", k)} for k, v in data.get("runs", {}).items()}
+    rows = []
+    lora_adapters = {}
+    for r in data["rows"]:
+        if r.get("kind") == "decode_step" and r["traffic"] == "lora":
+            lora_adapters[(r["run_id"], r["preset"], r["layers"], r["batch_size"])] = r["adapters"]
+    for r in data["rows"]:
+        profile = runs.get(r.get("run_id"), {}).get("profile", "gpu")
+        if r.get("suite") == "kernels":
+            rows.append(_kernel_row(r, profile))
+        elif r.get("kind") == "decode_step":
+            rows.append(_model_row(r, lora_adapters))
+    return {"schema": 2, "runs": runs, "rows": rows}
+
+
+def _common(r: dict, case: dict, variant: dict, derived: tuple, verification: dict) -> dict:
+    return {
+        "schema": 2, "suite": r["suite"], "run_id": r.get("run_id"),
+        "reproduce": r.get("reproduce", ""), **case, "case_key": sorted(case),
+        **variant, "variant": sorted(variant),
+        "stats": {**{k: r.get(k) for k in STATS}, "n": r.get("samples"),
+                  "mode": r.get("timing_mode")},
+        "samples_us": [], "derived": {k: r.get(k) for k in derived if k in r},
+        "telemetry": None, "verification": verification,
+    }
+
+
+def _kernel_row(r: dict, profile: str) -> dict:
+    case = {"preset": PRESET_OF_PROFILE.get(profile, "llama3-8b"), "module": r["module"],
+            "tokens": r["tokens"], "adapters": r["adapters"], "rank": r["rank"],
+            "dtype": r["dtype"]}
+    label = f"kernels {r['module']} T={r['tokens']} adapters={r['adapters']} r={r['rank']}"
+    ver = {"status": "verified", "error": None, "max_rel_err": r.get("max_rel_err")}
+    return _common(r, case, {"provider": r["provider"]}, KERNEL_DERIVED, ver) | {"label": label}
+
+
+def _model_row(r: dict, lora_adapters: dict) -> dict:
+    lora = r["runtime"] == "lora"
+    adapters = lora_adapters.get((r.get("run_id"), r["preset"], r["layers"], r["batch_size"]), 0)
+    case = {"step": "decode", "preset": r["preset"], "layers": r["layers"],
+            "context": r["context"], "batch_size": r["batch_size"],
+            "adapters": adapters if lora else 0, "ranks": str(r["rank"]) if lora else "",
+            "backend": r["backend"], "dtype": r["dtype"]}
+    rt = f"adapters={adapters} r={r['rank']}" if lora else "no-lora"
+    label = (f"model decode {r['preset']} L={r['layers']} ctx={r['context']} "
+             f"bs={r['batch_size']} {rt}")
+    ver = {"status": "unverified", "error": None}
+    return (_common(r, case, {"traffic": r["traffic"], "path": r["path"]}, MODEL_DERIVED, ver)
+            | {"label": label})

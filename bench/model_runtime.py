@@ -1,0 +1,107 @@
+"""The model bench's one seam with the runtime: builds a model (random weights), its KV cache,
+optionally a LoRA manager with random adapters, and a decode graph runner; exposes the three
+timed paths and the checks. Every use of ``ModelRunner`` / ``GraphRunner`` by ``bench/`` is
+here, so a change of those APIs is adapted in this file alone."""
+
+from __future__ import annotations
+
+import torch
+
+from graphs import GraphRunner
+from graphs.runner import BASE, LORA
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request, build_decode, build_extend
+from lora_runtime.lora.adapters import random_adapter
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.manager import LoRAManager
+from lora_runtime.model.config import PRESETS
+from lora_runtime.model.llama import LlamaForCausalLM
+
+PREFILL_TOKENS = 2048  # prefill attention is dense over the packed batch: fill in chunks
+
+
+class BenchRuntime:
+    """``adapters == 0``: a runtime built without LoRA. Otherwise ``adapters`` random adapters,
+    adapter i of rank ``ranks[i % len(ranks)]``, in as many GPU slots."""
+
+    def __init__(self, preset: str, layers: int, context: int, adapters: int,
+                 ranks: tuple[int, ...], backend: str, dtype: torch.dtype,
+                 batch_sizes: list[int], device: torch.device) -> None:
+        self.config = config = PRESETS[preset](layers)
+        self.device, self.context = device, context
+        self.model = LlamaForCausalLM.random(config, dtype, device)
+        # Room for one batch of each traffic (base, LoRA) at the largest batch size.
+        self.kv = KVCache(config, 2 * max(batch_sizes) * (context + 8) + 8, dtype, device)
+        self.names: list[str] = []
+        self.lora = None
+        if adapters > 0:
+            self.lora = LoRAManager(self.model, LoRAConfig(adapters, max(ranks), backend=backend))
+            self.names = [f"bench{i}" for i in range(adapters)]
+            for i, n in enumerate(self.names):
+                self.lora.load_adapter(n, random_adapter(config, n, ranks[i % len(ranks)],
+                                                         seed=i, dtype=dtype))
+        self.runner = ModelRunner(self.model, self.kv, self.lora)
+        self.graphs = GraphRunner.decode(self.runner, sorted(batch_sizes), context + 8).capture()
+        registered = getattr(self.runner, "graphs", None)
+        if isinstance(registered, list) and self.graphs in registered:
+            registered.remove(self.graphs)  # eager and graph paths are timed explicitly
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def capture_stats(self) -> dict:
+        s = self.graphs.stats
+        return {"capture_seconds": s.total_capture_seconds, "graph_memory_bytes": s.memory_bytes,
+                "graphs": len(self.graphs.graphs), "buckets": list(self.graphs.buffers.buckets)}
+
+    def decode_batch(self, batch_size: int, traffic: str):
+        """Requests with ``context`` prompt tokens in the cache and one new token each;
+        ``traffic == "lora"`` spreads them round-robin over the adapters."""
+        names = self.names if traffic == "lora" else [None]
+        reqs = [Request(torch.randint(0, self.config.vocab_size, (self.context,)).tolist(),
+                        names[i % len(names)], 4) for i in range(batch_size)]
+        group = max(1, PREFILL_TOKENS // self.context)
+        for i in range(0, batch_size, group):
+            self.runner.forward_eager(build_extend(reqs[i : i + group], self.kv, self.device))
+        for r in reqs:
+            r.output.append(1)
+        return build_decode(reqs, self.kv, self.device), reqs
+
+    def release(self, reqs) -> None:
+        self.kv.free([s for r in reqs for s in r.kv_slots])
+
+    def eager(self, batch) -> torch.Tensor:
+        """Prepare (LoRA plan) and an eager forward."""
+        return self.runner.forward_eager(batch)
+
+    def step(self, batch) -> torch.Tensor:
+        """What a serving loop calls per step: plan, static-buffer refresh, replay."""
+        return self.graphs.replay(batch)
+
+    def replay_only(self, batch):
+        """The captured graph that ``step(batch)`` replays, as a callable (the buffers keep
+        what the last ``step`` wrote)."""
+        self.step(batch)
+        return self.graphs.graphs[(self.graphs.last_kind,
+                                   self.graphs.buffers.bucket_for(batch))].replay
+
+    @property
+    def last_kind(self) -> str | None:
+        return self.graphs.last_kind
+
+    def expected_kind(self, batch) -> str:
+        return LORA if self.lora is not None and batch.has_adapters else BASE
+
+    def check_neutral_past(self, rows: int, requests: int) -> None:
+        """Static LoRA metadata past the batch (padding rows, unused blocks) selects the
+        neutral slot, so a replay of a larger bucket applies no adapter to them."""
+        bufs, neutral = self.graphs.lora_buffers, self.lora.neutral_slot
+        for layout, used in ((bufs.tokens, rows), (bufs.logits, requests)):
+            full = layout.view(layout.max_rows)
+            if not (full.token_slots[used:] == neutral).all():
+                raise AssertionError("static LoRA buffers: padding rows past the batch do not "
+                                     "select the neutral slot")
+            live = full.block_ends > full.block_starts
+            if not (full.block_slots[~live] == neutral).all():
+                raise AssertionError("static LoRA buffers: unused blocks do not select the "
+                                     "neutral slot")

@@ -1,0 +1,133 @@
+"""``python -m bench.profile FILTER`` (``nox -s profile -- FILTER``): one benchmark case under
+a profiler. With ``nsys`` and a GPU: ``nsys profile -t cuda,nvtx`` (the case's NVTX ranges in
+the "multilora" domain) and nsys's per-range kernel summary. Otherwise: a torch profiler
+trace with the same range names (``trace.json``, Perfetto-compatible: open it at
+ui.perfetto.dev) and a table of each range's kernels (GPU) or top-level ops (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from bench import case as case_mod
+from bench import cli, provenance
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
+    p.add_argument("filter", help="a regex matching exactly one case label (see python -m "
+                                  "bench --list)")
+    p.add_argument("--profile", default="auto", help="bench profile (default: auto)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR")
+    p.add_argument("--torch", action="store_true", help="use the torch profiler even with nsys")
+    args = p.parse_args(argv)
+    label = _one_case(args)
+    cuda = torch.cuda.is_available()
+    slug = provenance.device_slug(torch.device("cuda" if cuda else "cpu"))
+    out = args.out or (cli.RESULTS / "runs" /
+                       f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{slug}-profile")
+    out.mkdir(parents=True, exist_ok=True)
+    bench_args = ["--profile", args.profile, "--filter", case_mod.exact(label), "--out",
+                  str(out), "--no-report"]
+    nsys = shutil.which("nsys")
+    if nsys and cuda and not args.torch:
+        return _nsys(nsys, bench_args, out)
+    why = "nsys is not installed" if not nsys else "no GPU" if not cuda else "--torch"
+    print(f"{why}: recording a torch profiler trace instead (same range names)", flush=True)
+    return _torch_profile(bench_args, out, cuda)
+
+
+def _one_case(args) -> str:
+    profile = args.profile if args.profile != "auto" else (
+        "gpu" if torch.cuda.is_available() else "cpu")
+    ns = argparse.Namespace(suite=["all"], filter=args.filter)
+    labels = [c.label for cs in cli.select(ns, profile).values() for c in cs]
+    if len(labels) > 1:
+        shown = "\n  ".join(labels[:20])
+        raise SystemExit(f"{args.filter!r} matches {len(labels)} cases; profile one (anchor it "
+                         f"with ^...$):\n  {shown}")
+    return labels[0]
+
+
+def _nsys(nsys: str, bench_args: list[str], out: Path) -> int:
+    rep = out / "profile"
+    cmd = [nsys, "profile", "-t", "cuda,nvtx", "--force-overwrite=true", "-o", str(rep),
+           sys.executable, "-m", "bench", *bench_args]
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        return rc
+    for reports in ("nvtx_kern_sum", "nvtx_sum,cuda_gpu_kern_sum"):
+        stats = subprocess.run([nsys, "stats", "--report", reports, f"{rep}.nsys-rep"],
+                               capture_output=True, text=True)
+        if stats.returncode == 0:
+            print(stats.stdout)
+            (out / "ranges.txt").write_text(stats.stdout)
+            break
+    print(f"nsys report: {rep}.nsys-rep (open in Nsight Systems)")
+    return 0
+
+
+def _torch_profile(bench_args: list[str], out: Path, cuda: bool) -> int:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        rc = cli.main(bench_args)
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    text = range_table(prof.events(), cuda)
+    print(text)
+    (out / "ranges.txt").write_text(text + "\n")
+    print(f"trace: {trace} (Perfetto-compatible: ui.perfetto.dev or chrome://tracing)")
+    return rc
+
+
+def range_table(events, cuda: bool, top: int = 8) -> str:
+    """Per NVTX-named range: its kernels (GPU: device time) or top-level ops (CPU: CPU time,
+    including children), most expensive first."""
+    lines = []
+    for r in events:
+        if not getattr(r, "is_user_annotation", False):
+            continue
+        acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for name, us in (_kernels(r) if cuda else _top_ops(r)):
+            acc[name][0] += 1
+            acc[name][1] += us
+        span = r.time_range.end - r.time_range.start
+        lines.append(f"\n{r.name}  ({span:.0f} us wall)")
+        for name, (n, us) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"  {us:12.1f} us  {n:6d}x  {name[:100]}")
+    kind = "kernels (device time)" if cuda else "top-level ops (CPU time incl. children)"
+    return f"per-range {kind}:" + "".join("\n" + ln for ln in lines)
+
+
+def _descendants(e):
+    for c in e.cpu_children:
+        yield c
+        yield from _descendants(c)
+
+
+def _kernels(r):
+    found = [(k.name, k.duration) for d in _descendants(r) for k in getattr(d, "kernels", [])]
+    if not found:  # torch versions that list device events as children instead
+        found = [(d.name, d.time_range.end - d.time_range.start) for d in _descendants(r)
+                 if str(getattr(d, "device_type", "")).endswith("CUDA")]
+    return found
+
+
+def _top_ops(r):
+    for c in r.cpu_children:
+        if not getattr(c, "is_user_annotation", False):
+            yield c.name, c.cpu_time_total
+
+
+if __name__ == "__main__":
+    sys.exit(main())

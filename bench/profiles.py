@@ -1,0 +1,62 @@
+"""Profiles: which cases each suite sweeps on which machine.
+
+``gpu``: Llama-3-8B shapes, bf16, CUDA-graph timing; the whole run is sized for under 10
+minutes on an H200. ``gpu-quick``: a smoke run of both suites on a GPU (a few cases each, about
+a minute). ``cpu``: tiny shapes, fp32, Triton interpreter and traced graphs, wall clock: proves
+the pipeline end to end; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bench import kernel_bench, model_bench
+
+MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    cuda: bool
+    dtype: torch.dtype
+    reps: int
+    summary: str
+
+
+PROFILES = {
+    "gpu": Profile("gpu", True, torch.bfloat16, 30, "Llama-3-8B shapes, full sweep (<10 min on "
+                   "an H200)"),
+    "gpu-quick": Profile("gpu-quick", True, torch.bfloat16, 20, "a GPU smoke run: a few cases "
+                         "of each suite (about a minute)"),
+    "cpu": Profile("cpu", False, torch.float32, 3, "tiny shapes on the CPU (Triton interpreter, "
+                   "traced graphs): proves the pipeline, times mean nothing"),
+}
+
+
+def kernel_cases(profile: str) -> list[kernel_bench.KernelCase]:
+    dt = PROFILES[profile].dtype
+    if profile == "gpu":
+        return kernel_bench.cases("llama3-8b", MODULES, (1, 16, 64, 256, 2048),
+                                  (1, 4, 8, 16, 64), (16, 64), dt)
+    if profile == "gpu-quick":
+        return kernel_bench.cases("llama3-8b", ("qkv_proj", "gate_up_proj", "down_proj"),
+                                  (1, 64, 2048), (1, 8), (16,), dt)
+    return kernel_bench.cases("tiny", ("qkv_proj", "down_proj"), (1, 16), (1, 4), (8,), dt)
+
+
+def model_cases(profile: str) -> list[model_bench.ModelCase]:
+    dt = PROFILES[profile].dtype
+    if profile == "gpu":
+        # Adapter counts at r=16, then ranks (and a mixed-rank set) at 16 adapters.
+        runtimes = [(0, ()), (1, (16,)), (4, (16,)), (16, (16,)), (64, (16,)),
+                    (16, (8,)), (16, (64,)), (16, (8, 16, 64))]
+        return model_bench.cases("decode", "llama3-8b", 4, 256, (1, 8, 32, 64, 256), runtimes,
+                                 "triton", dt)
+    if profile == "gpu-quick":
+        return model_bench.cases("decode", "llama3-8b", 2, 128, (1, 32),
+                                 [(0, ()), (4, (16,)), (4, (8, 16, 64))], "triton", dt)
+    return model_bench.cases("decode", "tiny", 2, 16, (1, 4),
+                             [(0, ()), (2, (8,)), (2, (4, 8))], "torch", dt)

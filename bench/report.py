@@ -1,0 +1,200 @@
+"""``python -m bench.report [RESULT FILES or RUN FOLDERS ...] [--baseline FILE ...] -o
+report.html``: one self-contained HTML file (plotly.js inline, opens offline) with the
+environment of each run, headline tables, verification status, the charts of
+``bench.report_charts`` (placeholders where a suite has no rows yet) and, with
+``--baseline``, the change of every case's median time, regressions flagged.
+
+Without paths: the newest run folder under ``results/runs/``."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+from pathlib import Path
+
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from bench import report_charts as charts
+from bench import results, table
+from bench.provenance import ROOT
+
+REGRESSION = 1.10  # a case this much slower than the baseline is flagged
+
+PLACEHOLDERS = {
+    "throughput": "No throughput rows yet (suite 'throughput': offline workloads at several "
+                  "adapter counts and popularity; fields in bench/scenarios.py).",
+    "idle": "No idle-path rows yet (suite 'idle': idle forward and base-only batch, LoRA "
+            "runtime vs runtime without LoRA; fields in bench/scenarios.py).",
+    "dp": "No DP rows yet (suite 'dp': DP sizes, balanced and skewed load; fields in "
+          "bench/scenarios.py).",
+}
+
+
+def _table(headers: list[str], rows: list[list], cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, Markup) else html.escape(str(c))}"
+                                    f"</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+class Markup(str):
+    """Table cell HTML that is not escaped."""
+
+
+def environment(runs: dict) -> str:
+    heads = ["run", "profile", "device", "driver", "git sha", "python", "torch", "CUDA",
+             "triton", "copy GB/s", "matmul TFLOP/s", "suite seconds"]
+    rows = []
+    for rid, r in sorted(runs.items()):
+        c = r.get("ceilings", {})
+        dirty = {True: " (dirty)", None: " (dirty: unknown)"}.get(r.get("git_dirty"), "")
+        secs = ", ".join(f"{k} {v:.0f}" for k, v in r.get("suite_seconds", {}).items())
+        rows.append([rid, r.get("profile", ""), r.get("device", ""), r.get("driver", ""),
+                     r.get("git_sha", "")[:10] + dirty, r.get("python", ""), r.get("torch", ""),
+                     r.get("cuda", ""), r.get("triton", ""), table.fmt(c.get("copy_gbps"), ".0f"),
+                     table.fmt(c.get("matmul_tflops"), ".1f"), secs or "-"])
+    return _table(heads, rows)
+
+
+def verification(rows: list[dict]) -> str:
+    count: dict[tuple, int] = {}
+    for r in rows:
+        k = (r["suite"], r["verification"]["status"])
+        count[k] = count.get(k, 0) + 1
+    out = _table(["suite", "status", "rows"], [[s, v, n] for (s, v), n in sorted(count.items())])
+    bad = [[r["label"], r["verification"].get("error") or "", r["reproduce"]] for r in rows
+           if r["verification"]["status"] == "failed"]
+    if bad:
+        out += "<h3>Failed cases</h3>" + _table(["case", "error", "reproduce"], bad, "bad")
+    return out
+
+
+def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
+    base = {results.row_id(r): r for r in base_rows if r.get("stats")}
+    pairs, cells = [], []
+    for r in rows:
+        b = base.get(results.row_id(r))
+        if b is None or not r.get("stats"):
+            continue
+        ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
+        variant = " ".join(str(r.get(k)) for k in r["variant"])
+        name = f"{r['label']} [{variant}]"
+        pairs.append((name, ratio))
+        flag = ("REGRESSION" if ratio > REGRESSION else
+                "faster" if ratio < 1 / REGRESSION else "")
+        cells.append([name, table.fmt(b["stats"]["median_us"]),
+                      table.fmt(r["stats"]["median_us"]), f"{ratio:.3f}",
+                      Markup(f'<span class="{"bad" if ratio > REGRESSION else ""}">{flag}</span>')])
+    cells.sort(key=lambda c: -float(c[3]))
+    regressions = sum(1 for _, v in pairs if v > REGRESSION)
+    head = (f"<p>{len(pairs)} rows in both runs; <b>{regressions}</b> more than "
+            f"{100 * (REGRESSION - 1):.0f}% slower than the baseline.</p>")
+    return head + _table(["case [variant]", "baseline us", "this run us", "ratio", ""],
+                         cells), pairs
+
+
+def kernel_headline(rows: list[dict]) -> str:
+    """Per module and token count, the case with the most adapters and the highest rank; the
+    full table folded below."""
+    if not rows:
+        return "<p>No kernel rows.</p>"
+    top: dict[tuple, tuple] = {}
+    for r in rows:
+        k = (r["module"], r["tokens"])
+        top[k] = max(top.get(k, (0, 0)), (r["adapters"], r["rank"]))
+    head = [r for r in rows if top[(r["module"], r["tokens"])] == (r["adapters"], r["rank"])]
+    return (_table(*table.kernel_cells(head))
+            + f"<details><summary>all {len({results.case_id(r) for r in rows})} kernel cases"
+            f"</summary>{_table(*table.kernel_cells(rows))}</details>")
+
+
+def _figs_html(figs, placeholder: str = "") -> str:
+    if not figs:
+        return f'<p class="placeholder">{html.escape(placeholder)}</p>'
+    return "".join(pio.to_html(f, full_html=False, include_plotlyjs=False,
+                               config={"displaylogo": False, "responsive": True})
+                   for f in figs)
+
+
+def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None) -> str:
+    kernel_rows = [r for r in rows if r["suite"] == "kernels"]
+    model_rows = [r for r in rows if r["suite"] == "model"]
+    parts = [
+        "<h1>multilora-graphs benchmark report</h1>",
+        "<h2>Environment</h2>", environment(runs),
+        "<h2>Verification</h2>", verification(rows),
+        "<h2>Headline: kernels (median us)</h2>", kernel_headline(kernel_rows),
+        "<h2>Headline: whole-model decode step (median us)</h2>",
+        _table(*table.model_cells(model_rows)) if model_rows else "<p>No model rows.</p>",
+        "<h2>LoRA % of base vs tokens</h2>", _figs_html(charts.kernel_pct_of_base(rows),
+                                                        "No kernel rows."),
+        "<h2>x floor</h2>", _figs_html(charts.kernel_x_floor(rows), "No kernel rows."),
+        "<h2>Graph vs eager</h2>", _figs_html(charts.model_graph_vs_eager(rows),
+                                              "No model rows."),
+        "<h2>LoRA cost in the model step</h2>", _figs_html(charts.model_lora_cost(rows),
+                                                           "No model rows with LoRA."),
+        "<h2>Throughput vs adapters and popularity</h2>",
+        _figs_html(charts.throughput(rows), PLACEHOLDERS["throughput"]),
+        "<h2>Idle-path overhead</h2>", _figs_html(charts.idle(rows), PLACEHOLDERS["idle"]),
+        "<h2>DP scaling</h2>", _figs_html(charts.dp(rows), PLACEHOLDERS["dp"]),
+    ]
+    if base_rows is not None:
+        text, pairs = deltas(rows, base_rows)
+        parts += ["<h2>Change vs baseline</h2>", text, _figs_html(charts.deltas(pairs))]
+    return PAGE.format(plotly=get_plotlyjs(), body="\n".join(parts))
+
+
+PAGE = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>multilora-graphs benchmark report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; }}
+table {{ border-collapse: collapse; margin: 8px 0 16px; font-size: 13px; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+th {{ background: #f3f3f3; }} td:first-child {{ text-align: left; }}
+.bad, table.bad td {{ color: #b00; font-weight: 600; }}
+.placeholder {{ color: #777; font-style: italic; }}
+</style>
+<script type="text/javascript">{plotly}</script>
+</head><body>
+{body}
+</body></html>
+"""
+
+
+def write_report(paths: list[Path], baseline: list[Path], out: Path) -> Path:
+    rows, runs = results.rows_of(paths)
+    base_rows = results.rows_of(baseline)[0] if baseline else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(build(rows, runs, base_rows))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="*", type=Path, help="result JSON files or run folders")
+    p.add_argument("--baseline", nargs="+", type=Path, default=[],
+                   help="result files or run folders to compare with")
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="HTML file (default: report.html in the first run folder given)")
+    args = p.parse_args(argv)
+    paths = args.paths
+    if not paths:
+        runs = sorted((ROOT / "results" / "runs").glob("*/"))
+        if not runs:
+            raise SystemExit("no result paths given and no run folder under results/runs/; "
+                             "run python -m bench first or pass result files")
+        paths = [runs[-1]]
+    missing = [str(q) for q in [*paths, *args.baseline] if not q.exists()]
+    if missing:
+        raise SystemExit(f"no such result file or folder: {', '.join(missing)}")
+    out = args.output or ((paths[0] if paths[0].is_dir() else paths[0].parent) / "report.html")
+    write_report(paths, args.baseline, out)
+    print(f"report: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The report's charts: each function takes result rows and returns plotly figures (an empty
+list when the rows it draws are absent; the report then shows a placeholder)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import plotly.graph_objects as go
+
+LAYOUT = dict(template="plotly_white", height=380, margin=dict(l=60, r=20, t=50, b=50),
+              legend=dict(font=dict(size=10)))
+
+
+def _med(r: dict):
+    return r["stats"]["median_us"] if r.get("stats") else None
+
+
+def _fig(title: str, x: str, y: str, log_x=False, log_y=False) -> go.Figure:
+    f = go.Figure()
+    f.update_layout(title=title, xaxis_title=x, yaxis_title=y, **LAYOUT)
+    if log_x:
+        f.update_xaxes(type="log")
+    if log_y:
+        f.update_yaxes(type="log")
+    return f
+
+
+def _lines(fig: go.Figure, series: dict, sort=True) -> go.Figure:
+    for name, pts in series.items():
+        pts = sorted(pts) if sort else pts
+        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts],
+                                 mode="lines+markers", name=str(name)))
+    return fig
+
+
+def _kernel_by_module(rows, field: str, title: str, y: str, log_y=False) -> list[go.Figure]:
+    tri = [r for r in rows if r["suite"] == "kernels" and r.get("provider") == "triton"
+           and r.get("stats")]
+    figs = []
+    for module in dict.fromkeys(r["module"] for r in tri):
+        series = defaultdict(list)
+        for r in tri:
+            if r["module"] == module and r["derived"].get(field) is not None:
+                series[(r["adapters"], r["rank"])].append((r["tokens"], r["derived"][field]))
+        named = {f"adapters={a} r={rk}": pts for (a, rk), pts in sorted(series.items())}
+        figs.append(_lines(_fig(f"{title}: {module}", "tokens (T)", y, log_x=True,
+                                log_y=log_y), named))
+    return figs
+
+
+def kernel_pct_of_base(rows) -> list[go.Figure]:
+    return _kernel_by_module(rows, "pct_of_base", "LoRA time as % of the base GEMM",
+                             "LoRA % of base", log_y=True)
+
+
+def kernel_x_floor(rows) -> list[go.Figure]:
+    return _kernel_by_module(rows, "x_floor", "LoRA time over its bytes/FLOP floor", "x floor",
+                             log_y=True)
+
+
+def _model_cells(rows):
+    cell = {}
+    for r in rows:
+        if r["suite"] == "model" and r.get("stats"):
+            base = (r["preset"], r["layers"], r["context"], r["dtype"])
+            cell[(base, r["batch_size"], r["adapters"], r["ranks"], r["traffic"],
+                  r["path"])] = _med(r)
+    return cell
+
+
+def model_graph_vs_eager(rows) -> list[go.Figure]:
+    cell = _model_cells(rows)
+    figs = {}
+    for (base, bs, a, rk, traffic, path), eager in cell.items():
+        graph = cell.get((base, bs, a, rk, traffic, "graph"))
+        if path != "eager" or not graph:
+            continue
+        name = f"{base[0]} L={base[1]}"
+        fig = figs.setdefault(name, (_fig(f"Graph speed-up over eager (eager / graph step): "
+                                          f"{name}", "batch size", "speed-up (x)",
+                                          log_x=True), defaultdict(list)))
+        rt = "no-LoRA runtime" if not a else f"adapters={a} r={rk}, {traffic} traffic"
+        fig[1][rt].append((bs, eager / graph))
+    return [_lines(f, dict(sorted(s.items()))) for f, s in figs.values()]
+
+
+def model_lora_cost(rows) -> list[go.Figure]:
+    cell = _model_cells(rows)
+    figs = {}
+    for (base, bs, a, rk, traffic, path), t in cell.items():
+        ref = cell.get((base, bs, 0, "", "base", path))
+        if not a or path not in ("graph", "replay_only") or not ref:
+            continue
+        name = f"{base[0]} L={base[1]}"
+        fig = figs.setdefault(name, (_fig(f"LoRA cost over the runtime without LoRA: {name}",
+                                          "batch size", "% over no-LoRA", log_x=True),
+                                     defaultdict(list)))
+        fig[1][f"adapters={a} r={rk} {traffic} traffic, {path}"].append(
+            (bs, 100 * (t / ref - 1)))
+    return [_lines(f, dict(sorted(s.items()))) for f, s in figs.values()]
+
+
+def throughput(rows) -> list[go.Figure]:
+    tp = [r for r in rows if r["suite"] == "throughput"
+          and r["derived"].get("output_tokens_per_s") is not None]
+    figs = []
+    for wl in dict.fromkeys((r["preset"], r["workload"]) for r in tp):
+        mine = [r for r in tp if (r["preset"], r["workload"]) == wl]
+        series = defaultdict(list)
+        for r in mine:
+            if r["adapters"]:
+                series[f"{r['popularity']} r={r['ranks']}"].append(
+                    (r["adapters"], r["derived"]["output_tokens_per_s"]))
+        fig = _lines(_fig(f"Output tokens/s vs adapters: {wl[0]} {wl[1]}", "adapters",
+                          "output tokens/s", log_x=True), dict(sorted(series.items())))
+        for r in mine:
+            if not r["adapters"]:
+                fig.add_hline(y=r["derived"]["output_tokens_per_s"], line_dash="dot",
+                              annotation_text="base model, no LoRA")
+        figs.append(fig)
+    return figs
+
+
+def idle(rows) -> list[go.Figure]:
+    idl = [r for r in rows if r["suite"] == "idle" and r.get("stats")]
+    if not idl:
+        return []
+    fig = _fig("Idle path: forward time, LoRA runtime vs runtime without LoRA", "scenario",
+               "median us")
+    for runtime in ("no_lora", "lora"):
+        for path in ("eager", "graph"):
+            pts = [(f"{r['scenario']} bs={r['batch_size']}", _med(r)) for r in idl
+                   if r.get("runtime") == runtime and r.get("path") == path]
+            if pts:
+                fig.add_trace(go.Bar(x=[p[0] for p in pts], y=[p[1] for p in pts],
+                                     name=f"{runtime}, {path}"))
+    fig.update_layout(barmode="group")
+    return [fig]
+
+
+def dp(rows) -> list[go.Figure]:
+    d = [r for r in rows if r["suite"] == "dp"
+         and r["derived"].get("output_tokens_per_s") is not None]
+    if not d:
+        return []
+    series, idle_share = defaultdict(list), defaultdict(list)
+    for r in d:
+        lora = f"adapters={r['adapters']} r={r['ranks']}" if r["adapters"] else "no LoRA"
+        series[f"{r['load']}, {lora}"].append((r["dp_size"], r["derived"]["output_tokens_per_s"]))
+        if r["derived"].get("idle_share") is not None:
+            idle_share[f"{r['load']}, {lora}"].append((r["dp_size"],
+                                                       100 * r["derived"]["idle_share"]))
+    figs = [_lines(_fig("DP scaling: output tokens/s vs DP size", "DP size", "output tokens/s"),
+                   dict(sorted(series.items())))]
+    if idle_share:
+        figs.append(_lines(_fig("Share of rank time in idle forwards", "DP size", "% of time"),
+                           dict(sorted(idle_share.items()))))
+    return figs
+
+
+def deltas(pairs: list[tuple[str, float]]) -> list[go.Figure]:
+    """``pairs``: (label, current / baseline) for rows present in both runs."""
+    if not pairs:
+        return []
+    pairs = sorted(pairs, key=lambda p: -p[1])
+    fig = _fig("Median time, this run over the baseline (above 1.1: slower)", "case", "ratio")
+    fig.add_trace(go.Bar(x=[p[0] for p in pairs], y=[p[1] for p in pairs],
+                         marker_color=["#c0392b" if v > 1.1 else "#27ae60" if v < 0.9
+                                       else "#7f8c8d" for _, v in pairs]))
+    fig.update_xaxes(showticklabels=len(pairs) <= 40)
+    return [fig]

@@ -1,0 +1,84 @@
+"""Cases and row fields of the serving scenarios still to be built (throughput, idle path,
+data parallelism). Their runners come with the engine and DP work; the report already draws
+their rows. Rows are made with ``bench.results.make_row(case, profile, variant, timing=...,
+derived=..., verification=...)`` like every suite's, so they carry the case fields below as
+their key and the usual stats, telemetry and verification.
+
+throughput (``ThroughputCase``; variant ``{}``; ``timing``: per-step times, optional)
+    derived: ``output_tokens_per_s``, ``requests_per_s``, ``ttft_p50_ms``, ``ttft_p99_ms``,
+    ``tpot_p50_ms``, ``tpot_p99_ms``, ``output_tokens``, ``duration_s``,
+    ``joules_per_token`` (telemetry ``energy_j`` / ``output_tokens``; null without NVML),
+    ``pct_of_base`` (output tokens/s over the ``adapters=0`` case of the same workload).
+idle (``IdleCase``; variant ``{"runtime": "lora"|"no_lora", "path": "eager"|"graph"}``;
+    ``timing``: the forward's time)
+    derived: ``overhead_pct`` (over the ``no_lora`` row of the same scenario and path).
+dp (``DPCase``; variant ``{}``; ``timing``: step times of rank 0)
+    derived: ``output_tokens_per_s``, ``requests_per_s``, ``idle_share`` (mean over ranks of
+    the share of step time spent in idle forwards), ``idle_share_per_rank`` (list),
+    ``idle_forward_us`` (one idle forward), ``ranks_run_on`` (GPUs used, when dp_size ranks
+    share fewer GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.case import Case
+
+
+@dataclass(frozen=True)
+class ThroughputCase(Case):
+    suite = "throughput"
+    preset: str
+    layers: int
+    dtype: str
+    workload: str
+    """e.g. "in512-out128" (fixed lengths) or a named length distribution."""
+    requests: int
+    adapters: int
+    """0: the base model in a runtime without LoRA."""
+    popularity: str
+    """identical | uniform | zipf | distinct ("-" for adapters=0)."""
+    ranks: str
+
+    @property
+    def label(self) -> str:
+        lora = f"adapters={self.adapters} {self.popularity} r={self.ranks}" if self.adapters \
+            else "base"
+        return (f"throughput {self.preset} L={self.layers} {self.workload} "
+                f"requests={self.requests} {lora}")
+
+
+@dataclass(frozen=True)
+class IdleCase(Case):
+    suite = "idle"
+    preset: str
+    layers: int
+    dtype: str
+    scenario: str
+    """idle_forward (a DP rank without tokens) | base_batch (base-only traffic)."""
+    batch_size: int
+    """0 for idle_forward."""
+
+    @property
+    def label(self) -> str:
+        return f"idle {self.scenario} {self.preset} L={self.layers} bs={self.batch_size}"
+
+
+@dataclass(frozen=True)
+class DPCase(Case):
+    suite = "dp"
+    preset: str
+    layers: int
+    dtype: str
+    dp_size: int
+    load: str
+    """balanced | skewed (e.g. all requests on rank 0)."""
+    adapters: int
+    """0: no LoRA."""
+    ranks: str
+
+    @property
+    def label(self) -> str:
+        lora = f"adapters={self.adapters} r={self.ranks}" if self.adapters else "no-lora"
+        return f"dp size={self.dp_size} {self.load} {self.preset} L={self.layers} {lora}"

@@ -1,0 +1,40 @@
+"""The suites ``python -m bench`` runs, by name. A suite lists its cases for a profile,
+prepares what its cases share (``start``, given the selected cases; returns the per-case
+function) and prints its table. Scenarios to come (throughput, idle, dp) register here; their
+row fields are in ``bench.report_rows``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench import kernel_bench, model_bench, profiles, table
+from bench.case import Case
+from bench.context import Context
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    summary: str
+    cases: Callable[[str], list[Case]]
+    start: Callable[[list[Case], Context], Callable[[Case], list[dict]]]
+    table: Callable[[list[dict]], str]
+
+
+def _kernels_start(todo, ctx):
+    return lambda case: kernel_bench.run_case(case, ctx)
+
+
+def _model_start(todo, ctx):
+    cache = model_bench.RuntimeCache(todo, ctx.device)
+    return lambda case: model_bench.run_case(case, ctx, cache)
+
+
+SUITES = {
+    "kernels": Suite("kernels", "LoRA kernels per module vs torch reference and base GEMM",
+                     profiles.kernel_cases, _kernels_start, table.kernel_table),
+    "model": Suite("model", "whole-model decode step: eager vs graph, LoRA off/base/LoRA "
+                   "traffic, adapters and ranks", profiles.model_cases, _model_start,
+                   table.model_table),
+}
