@@ -1,0 +1,157 @@
+"""The engine's limits, one at a time: bad requests are refused while the others are served;
+a request that does not fit the KV cache or the adapter slots waits; the oldest waiting
+request is overtaken only for a bounded number of steps; a request that can never fit stops
+the engine with a reason; workloads are what their spec says."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from conftest import DEVICE
+from engine_world import EngineWorld
+
+from lora_runtime.engine.scheduler import SchedulerConfig
+from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
+
+
+@pytest.fixture(scope="module")
+def world():
+    return EngineWorld("torch", DEVICE, slots=2, kv_tokens=40)
+
+
+def test_bad_requests_are_refused_and_the_others_served(world):
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=4, chunked_prefill=False, max_step_tokens=30))
+    name = w.new_adapter(eng)
+    good = eng.add_request([1, 2, 3], name, max_new_tokens=3)
+    bad = [
+        (dict(prompt_ids=[1, 2], adapter="nope"), "unknown adapter"),
+        (dict(prompt_ids=[]), "non-empty prompt"),
+        (dict(prompt_ids=[1] * 39, max_new_tokens=4), "KV-cache slots"),
+        (dict(prompt_ids=[1] * 31, max_new_tokens=1), "chunked prefill is off"),
+        (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt_ids=[1, w.config.vocab_size]), "outside the vocabulary"),
+    ]
+    for kwargs, words in bad:
+        with pytest.raises(ValueError, match=words):
+            eng.add_request(**kwargs)
+    assert list(eng.scheduler.waiting) == [good], "a refused request must not be queued"
+    other = eng.add_request([4, 5], None, max_new_tokens=2)
+    eng.run()
+    assert good.metrics.finish is not None and other.metrics.finish is not None
+    w.check_request(eng, good)
+    w.check_request(eng, other)
+
+
+def test_a_request_waits_for_kv_capacity(world):
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=8))
+    a = eng.add_request(list(range(1, 21)), None, max_new_tokens=10)  # budget 29 of 40
+    b = eng.add_request(list(range(1, 16)), None, max_new_tokens=5)   # budget 19: waits
+    eng.step()
+    assert a in eng.scheduler.running and b in eng.scheduler.waiting
+    eng.run()
+    first_b = min(s.index for s in eng.timeline if s.mode == "extend" and s.tokens == 15)
+    last_a = max(i for i, s in enumerate(eng.timeline) if s.mode == "decode")
+    assert a.metrics.finish <= b.metrics.first_token
+    assert first_b > 0 and last_a > first_b
+    for r in (a, b):
+        w.check_request(eng, r)
+
+
+def test_steps_never_hold_more_adapters_than_slots(world):
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=8))
+    names = [w.new_adapter(eng) for _ in range(4)]
+    reqs = [eng.add_request([3, 1, 4, 1], names[i % 4], max_new_tokens=3) for i in range(8)]
+    eng.run()
+    assert all(len(s.adapters) <= w.slots for s in eng.timeline)
+    assert {s.adapters for s in eng.timeline} >= {tuple(sorted(names[:2]))}
+    for r in reqs:
+        w.check_request(eng, r)
+
+
+def test_pinned_adapters_count_against_the_slots(world):
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=8))
+    pinned = w.new_adapter(eng, pinned=True)
+    names = [w.new_adapter(eng) for _ in range(2)]
+    reqs = [eng.add_request([2, 7], n, max_new_tokens=2) for n in names]
+    eng.step()
+    assert len(eng.scheduler.running) == 1, "one slot is pinned: one other adapter at a time"
+    with pytest.raises(ValueError, match="slots"):
+        eng.pin_adapter(names[1] if reqs[0] in eng.scheduler.running else names[0])
+    eng.run()
+    assert all(len(set(s.adapters) | {pinned}) <= w.slots for s in eng.timeline)
+
+
+def test_overtaking_is_bounded(world):
+    """The oldest request needs a third adapter while two others keep arriving with the two
+    running ones: after max_overtake_steps the engine stops admitting them and serves it."""
+    w = world
+    limit = 3
+    eng = w.engine(SchedulerConfig(max_batch_size=8, max_overtake_steps=limit))
+    a, b, c = (w.new_adapter(eng) for _ in range(3))
+    eng.add_request([1], a, max_new_tokens=6)
+    eng.add_request([1], b, max_new_tokens=6)
+    eng.step()
+    head = eng.add_request([5, 6], c, max_new_tokens=2)
+    for i in range(40):
+        if head.metrics.finish is not None:
+            break
+        eng.add_request([1 + i % 5], (a, b)[i % 2], max_new_tokens=3)
+        eng.step()
+    assert head.metrics.finish is not None, "the oldest request starved"
+    assert i <= limit + 12, f"the oldest request waited {i} steps"
+
+
+def test_a_request_that_can_never_fit_stops_the_engine_with_a_reason(world):
+    w = world
+    eng = w.engine(SchedulerConfig())
+    w.new_adapter(eng, pinned=True)
+    w.new_adapter(eng, pinned=True)
+    free = w.new_adapter(eng)
+    eng.add_request([1, 2], free, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="Unpin"):
+        eng.step()
+
+
+def test_workload_spec():
+    vocab = 50
+    for pop, n in (("none", 0), ("identical", 1), ("uniform", 4), ("zipf", 8), ("distinct", 40)):
+        spec = WorkloadSpec(40, (2, 9), (1, 3), popularity=pop, num_adapters=max(n, 1), seed=1)
+        wl = make_workload(spec, vocab)
+        assert wl == make_workload(spec, vocab), "a seed gives one workload"
+        used = collections.Counter(r.adapter for r in wl)
+        assert set(used) <= set(spec.adapter_names) | {None}
+        assert all(2 <= len(r.prompt) <= 9 and 1 <= r.max_new_tokens <= 3 for r in wl)
+        if pop == "none":
+            assert set(used) == {None}
+        if pop == "distinct":
+            assert len(used) == 40
+        if pop == "zipf":
+            assert used["adapter-0"] > used["adapter-7"]
+    wl = make_workload(WorkloadSpec(200, 4, 2, arrival="poisson", rate=50.0, seed=2), vocab)
+    gaps = [b.arrival - a.arrival for a, b in zip(wl, wl[1:], strict=False)]
+    assert all(g >= 0 for g in gaps) and 0.01 < sum(gaps) / len(gaps) < 0.04
+    with pytest.raises(ValueError, match="rate"):
+        WorkloadSpec(4, arrival="poisson")
+
+
+def test_serve_adds_requests_at_their_arrival_times(world):
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=4))
+    now = [0.0]
+    eng.clock = lambda: now[0]
+
+    def sleep(dt):
+        now[0] += dt
+
+    wl = make_workload(WorkloadSpec(5, (2, 5), 2, arrival="poisson", rate=10.0, seed=3),
+                       w.config.vocab_size)
+    reqs = serve(eng, wl, sleep)
+    assert all(r.metrics.finish is not None for r in reqs)
+    for r, spec in zip(reqs, wl, strict=True):
+        assert r.metrics.arrival >= spec.arrival - 1e-9
+        assert r.metrics.ttft is not None and r.metrics.ttft >= 0
