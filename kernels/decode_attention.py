@@ -19,25 +19,27 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check, check_dtype
 
-BLOCK_N = 64
-"""Keys per tile."""
+TILES = (64, 4, 2)
+"""(block_n, num_warps, num_stages): keys per tile."""
+BLOCK_N = TILES[0]
 MAX_SPLITS = 32
 
 
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, lens_ptr, part_ptr, lse_ptr,
-    sm_scale_log2, group, head_dim,
+    sm_scale_log2, group, head_dim, num_splits,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ib,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # DIRECT (one split): part_ptr is the output itself, in its dtype; no log-sum-exp.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kv_len)
     if lo >= hi:
@@ -72,26 +74,28 @@ def _decode_partial_kernel(
         m_i = m_new
     out = acc / l_i[:, None]
     part = part_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    tl.store(part + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
-             mask=g_mask)
+    tl.store(part + offs_d[None, :], out.to(part_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+    if not DIRECT:
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
+                 mask=g_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    part_ptr, lse_ptr, lens_ptr, out_ptr, head_dim,
+    part_ptr, lse_ptr, lens_ptr, out_ptr, head_dim, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     # Splits that held no keys wrote nothing: their partials are never read.
-    live = (offs_s < NUM_SPLITS) & (offs_s * per_split < kv_len)
+    live = (offs_s < num_splits) & (offs_s * per_split < kv_len)
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=live,
                   other=float("-inf"))
     m = tl.max(lse, 0)
@@ -108,56 +112,67 @@ def _decode_merge_kernel(
 @torch.library.custom_op("multilora::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
-    kv_lens: torch.Tensor, sm_scale: float, splits: int, num_warps: int,
+    kv_lens: torch.Tensor, sm_scale: float, splits: int, block_n: int, num_warps: int,
+    num_stages: int,
 ) -> torch.Tensor:
     bs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     if bs == 0:
         return out
-    part = torch.empty(bs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
+    if splits == 1:  # one split: the partial is the output, no merge
+        part, lse = out.view(bs, heads, 1, head_dim), out.new_empty(1, 1, 1, dtype=torch.float32)
+    else:
+        part = torch.empty(bs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_partial_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, kv_indices, kv_lens, part, lse,
-        sm_scale * 1.4426950408889634, group, head_dim,
+        sm_scale * 1.4426950408889634, group, head_dim, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), kv_indices.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        DIRECT=splits == 1, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=config.dot_precision(q.dtype), num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if splits == 1:
+        return out
     _decode_merge_kernel[(bs, heads)](
-        part, lse, kv_lens, out, head_dim,
+        part, lse, kv_lens, out, head_dim, splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_N=BLOCK_N,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_N=block_n,
         BLOCK_D=block_d,
     )
     return out
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, kv_indices, kv_lens, sm_scale, splits, num_warps):
+def _(q, k_cache, v_cache, kv_indices, kv_lens, sm_scale, splits, block_n, num_warps,
+      num_stages):
     return torch.empty_like(q)
 
 
-def decode_splits(bs: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+def decode_splits(bs: int, kv_heads: int, max_context: int, device: torch.device,
+                  block_n: int = BLOCK_N) -> int:
     """Context splits per request, from shapes only: enough programs to cover the device, no
     split shorter than one key tile at the longest context the batch can hold."""
     want = -(-config.programs_wanted(device) // max(1, bs * kv_heads))
-    return max(1, min(want, MAX_SPLITS, -(-max_context // BLOCK_N)))
+    return max(1, min(want, MAX_SPLITS, -(-max_context // block_n)))
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
     kv_lens: torch.Tensor, sm_scale: float, splits: int | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``[bs, heads, head_dim]``: each request's query attends to the keys in
     ``kv_indices[b, :kv_lens[b]]`` (slots of ``k_cache``/``v_cache``, ``[slots, kv_heads,
     head_dim]``). Entries past ``kv_lens[b]`` are never read; ``kv_lens[b]`` must be >= 1.
-    ``splits`` overrides the context-split heuristic (tests, tuning)."""
+    ``splits`` overrides the context-split heuristic and ``tiles`` = (block_n, num_warps,
+    num_stages) the ``TILES`` default (tests, tuning)."""
     check(q.dim() == 3, f"q must be [bs, heads, head_dim], got shape {tuple(q.shape)}")
     bs, heads, head_dim = q.shape
     check_dtype("q", q)
@@ -181,7 +196,10 @@ def decode_attention(
     for name, t in (("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         check(t.dtype in (torch.int32, torch.int64) and t.device == q.device,
               f"{name} must be int32/int64 on {q.device}, got {t.dtype} on {t.device}")
-    splits = splits or decode_splits(bs, kv_heads, kv_indices.shape[1], q.device)
+    block_n, num_warps, num_stages = tiles or TILES
+    check(block_n >= 16 and block_n & (block_n - 1) == 0,
+          f"block_n must be a power of two >= 16, got {block_n}")
+    splits = splits or decode_splits(bs, kv_heads, kv_indices.shape[1], q.device, block_n)
     check(1 <= splits <= 4 * MAX_SPLITS, f"splits must be in [1, {4 * MAX_SPLITS}], got {splits}")
     return _decode_attention_op(q, k_cache, v_cache, kv_indices, kv_lens, float(sm_scale),
-                                int(splits), 4)
+                                int(splits), block_n, num_warps, num_stages)

@@ -20,8 +20,31 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check, check_dtype
 
-BLOCK_M = 64
-BLOCK_N = 64
+TILES = (64, 64, 4, 2)
+"""(block_m, block_n, num_warps, num_stages): query rows and keys per tile."""
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, idx_base, start, kv_end, pos, kvh, offs_d, d_mask,
+            stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
+            CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    slots = tl.load(idx_base + offs_n, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -64,26 +87,17 @@ def _extend_kernel(
     idx_base = idx_ptr + kv_start
     first_pos = prefix + (blk - first_blk) * BLOCK_M
     kv_end = tl.minimum(first_pos + BLOCK_M, prefix + q_len)
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
-    for start in range(0, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        slots = tl.load(idx_base + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        if start + BLOCK_N > full_end:
-            s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
-        # Rows past the request (masked queries) still see key 0, so no row is all -inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Keys below full_end are seen by every row of the block: no causal mask there. Every
+    # row (masked ones too) sees key 0, so no row's maximum stays -inf.
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr, v_ptr, idx_base, start, kv_end, pos,
+                                kvh, offs_d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                                sm_scale_log2, False, BLOCK_N, PRECISION)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr, v_ptr, idx_base, start, kv_end, pos,
+                                kvh, offs_d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                                sm_scale_log2, True, BLOCK_N, PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -92,39 +106,43 @@ def _extend_kernel(
 @torch.library.custom_op("multilora::extend_attention", mutates_args=())
 def _extend_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
-    q_starts: torch.Tensor, kv_starts: torch.Tensor, sm_scale: float, num_warps: int,
+    q_starts: torch.Tensor, kv_starts: torch.Tensor, sm_scale: float, block_m: int,
+    block_n: int, num_warps: int, num_stages: int,
 ) -> torch.Tensor:
     t, heads, head_dim = q.shape
     requests = q_starts.shape[0] - 1
     # Rows outside every request are not written: zero them so nothing downstream sees NaN.
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape)
     if t == 0 or requests == 0:
         return out
-    grid = (triton.cdiv(t, BLOCK_M) + requests, heads)
+    grid = (triton.cdiv(t, block_m) + requests, heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, kv_indices, q_starts, kv_starts,
         requests, sm_scale * 1.4426950408889634, heads // k_cache.shape[1], head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        BLOCK_R=max(2, triton.next_power_of_2(requests)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_R=max(2, triton.next_power_of_2(requests)), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PRECISION=config.dot_precision(q.dtype), num_warps=num_warps,
+        PRECISION=config.dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 @_extend_attention_op.register_fake
-def _(q, k_cache, v_cache, kv_indices, q_starts, kv_starts, sm_scale, num_warps):
+def _(q, k_cache, v_cache, kv_indices, q_starts, kv_starts, sm_scale, block_m, block_n,
+      num_warps, num_stages):
     return torch.empty_like(q)
 
 
 def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
     q_starts: torch.Tensor, kv_starts: torch.Tensor, sm_scale: float,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``[T, heads, head_dim]``: row ``q_starts[i] + j`` (request i's j-th new token) attends
     to ``kv_indices[kv_starts[i] : kv_starts[i] + prefix_i + j + 1]``, where ``prefix_i`` is
-    request i's context length minus its new tokens. Rows past ``q_starts[-1]`` are zero."""
+    request i's context length minus its new tokens. Rows past ``q_starts[-1]`` are zero.
+    ``tiles`` = (block_m, block_n, num_warps, num_stages) overrides ``TILES`` (tuning)."""
     check(q.dim() == 3, f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     t, heads, head_dim = q.shape
     check_dtype("q", q)
@@ -147,5 +165,8 @@ def extend_attention(
         check(x.dtype in (torch.int32, torch.int64) and x.device == q.device and
               x.is_contiguous(), f"{name} must be contiguous int32/int64 on {q.device}, got "
               f"{x.dtype} on {x.device}")
+    block_m, block_n, num_warps, num_stages = tiles or TILES
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        check(b >= 16 and b & (b - 1) == 0, f"{name} must be a power of two >= 16, got {b}")
     return _extend_attention_op(q, k_cache, v_cache, kv_indices, q_starts, kv_starts,
-                                float(sm_scale), 4)
+                                float(sm_scale), block_m, block_n, num_warps, num_stages)

@@ -1,0 +1,112 @@
+"""The base decode step (no LoRA, graph replay only) with the torch reference attention and
+with the Triton kernels, next to its bytes floor: every weight and every request's K/V read
+once per step, at the copy bandwidth measured in the same run. ``profile_step`` lists where a
+replay's device time goes, by kernel.
+
+``python -m bench.base_step_bench [--layers 4] [--profile]`` prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.hardware import Ceilings, measure
+from bench.timing import bench_time
+from graphs import GraphRunner
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request, build_decode
+from lora_runtime.model.attention_ops import use_attention_backend
+from lora_runtime.model.config import PRESETS
+from lora_runtime.model.llama import LlamaForCausalLM
+
+
+def run_base_step(device: torch.device, dtype: torch.dtype, *, preset: str = "llama3-8b",
+                  layers: int = 4, batch_sizes=(1, 8, 64, 256), contexts=(512, 4096),
+                  reps: int = 20, ceil: Ceilings | None = None,
+                  profile: tuple[int, int] | None = None) -> list[dict]:
+    """One row per (context, attention backend, batch size). ``profile=(bs, context)``
+    also prints the per-kernel breakdown of that replay with each backend."""
+    ceil = ceil or measure(device, dtype)
+    config = PRESETS[preset](layers)
+    model = LlamaForCausalLM.random(config, dtype, device)
+    kv = KVCache(config, max(batch_sizes) * (max(contexts) + 1) + 8, dtype, device)
+    for cache in kv.k + kv.v:  # random, not zeros: zeros can run faster than real data
+        cache.normal_()
+    runner = ModelRunner(model, kv, None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_token_bytes = 2 * layers * config.kv_size * kv.k[0].element_size()
+    rows = []
+    for ctx in contexts:
+        for backend in ("torch", "triton"):
+            with use_attention_backend(backend):
+                graphs = GraphRunner.decode(runner, list(batch_sizes), ctx + 8).capture()
+            for bs in batch_sizes:
+                reqs = [Request([1] * ctx, None, 4) for _ in range(bs)]
+                for r in reqs:
+                    r.kv_slots = kv.alloc(ctx - 1)
+                batch = build_decode(reqs, kv, device)
+                graphs.replay(batch)  # refreshes the static buffers
+                replay = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))].replay
+                t = bench_time(replay, device=device, mode="events", reps=reps, warmup=3)
+                if profile == (bs, ctx):
+                    profile_step(replay, f"{preset} L={layers} bs={bs} ctx={ctx} {backend}")
+                floor_bytes = weight_bytes + bs * ctx * kv_token_bytes
+                floor_us = floor_bytes / (ceil.copy_gbps * 1e3)
+                rows.append({
+                    "suite": "base_step", "preset": preset, "layers": layers, "batch_size": bs,
+                    "context": ctx, "attention": backend,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "median_us": t.median_us, "p20_us": t.quantile(0.2),
+                    "p80_us": t.quantile(0.8), "floor_bytes": floor_bytes, "floor_us": floor_us,
+                    "pct_of_floor": 100 * floor_us / t.median_us,
+                })
+                kv.free([s for r in reqs for s in r.kv_slots])
+            del graphs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def profile_step(fn, label: str, top: int = 12) -> None:
+    """Device time per kernel name over 5 calls of ``fn``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    print(f"\n-- {label}: device time per kernel (5 replays)")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top,
+                                    max_name_column_width=60))
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| layers | bs | context | attention | step us | floor us | % of floor |",
+             "|--:|--:|--:|---|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['layers']} | {r['batch_size']} | {r['context']} | {r['attention']} | "
+                     f"{r['median_us']:.0f} | {r['floor_us']:.0f} | {r['pct_of_floor']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--profile", action="store_true", help="kernel breakdown, bs=64")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        rows = run_base_step(torch.device("cpu"), torch.float32, preset="tiny", layers=2,
+                             batch_sizes=(1, 2), contexts=(16,), reps=2)
+    else:
+        rows = run_base_step(torch.device("cuda"), torch.bfloat16, layers=args.layers,
+                             profile=(64, 4096) if args.profile else None)
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
