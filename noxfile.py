@@ -1,18 +1,51 @@
-"""Sessions: ``tests`` (the CPU suite in CI), ``lint``, ``bench`` (the main job)."""
+"""Sessions: ``tests`` (the CPU suite in CI), ``lint``, ``bench`` (the main job), ``report``,
+``profile``, ``mutants``.
+
+Every session but ``lint`` runs in one shared environment, ``.nox/shared``, created on first
+use and reinstalled only when ``pyproject.toml`` changes (torch is large: one copy, not one
+per session). ``TORCH_INDEX_URL`` installs torch from that index first, e.g. the CPU-only
+build: ``TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu nox -s tests``.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_venv = "yes"
 
+SHARED = Path(".nox/shared")
 
-@nox.session
+
+def _python(session: nox.Session) -> str:
+    """The shared environment's interpreter, created and installed when needed."""
+    py = SHARED / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    stamp = SHARED / "installed-from.sha256"
+    want = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest()
+    if not py.exists():
+        session.log(f"creating the shared environment {SHARED}")
+        session.run(sys.executable, "-m", "venv", str(SHARED))
+        session.run(str(py), "-m", "pip", "install", "--upgrade", "pip")
+    if not stamp.exists() or stamp.read_text() != want:
+        index = os.environ.get("TORCH_INDEX_URL")
+        if index:
+            session.run(str(py), "-m", "pip", "install", "torch", "--index-url", index)
+        session.log("installing torch, triton and the test tools (first run: a few GB "
+                    "with a CUDA build of torch, a few hundred MB with a CPU build)")
+        session.run(str(py), "-m", "pip", "install", "--progress-bar", "on", "-e", ".[test]")
+        stamp.write_text(want)
+    return str(py)
+
+
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite. Without a GPU, Triton kernels run under TRITON_INTERPRET=1."""
-    session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+    session.run(_python(session), "-m", "pytest", *(session.posargs or ["-q"]))
 
 
 @nox.session
@@ -21,17 +54,33 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks: Llama-3-8B shapes on a GPU; a small CPU profile end to end without one.
+    Writes results and report.html into a new run folder under results/runs/ and prints it.
     Extra arguments go to ``python -m bench`` (see ``nox -s bench -- --help``)."""
-    session.install("-e", ".")
-    session.run("python", "-m", "bench", *session.posargs)
+    session.run(_python(session), "-m", "bench", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
+def report(session: nox.Session) -> None:
+    """HTML report of result files or run folders (default: the newest run folder).
+    ``nox -s report -- results/runs/<run> --baseline results/kernels-nvidia-h200.json``."""
+    session.run(_python(session), "-m", "bench.report", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def profile(session: nox.Session) -> None:
+    """One case under nsys (or the torch profiler when nsys is missing):
+    ``nox -s profile -- 'kernels gate_up_proj T=2048 adapters=1 r=64'``."""
+    if not session.posargs:
+        session.error("give a case filter: nox -s profile -- '<label regex>' "
+                      "(labels: nox -s bench -- --list)")
+    session.run(_python(session), "-m", "bench.profile", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def mutants(session: nox.Session) -> None:
     """Fault injection: each protection against stale LoRA metadata, broken one at a time,
     must make the stale-state tests fail. Prints killed/total; fails unless all are killed."""
-    session.install("-e", ".[test]")
-    session.run("python", "tests/mutants.py", *session.posargs)
+    session.run(_python(session), "tests/mutants.py", *session.posargs)

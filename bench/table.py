@@ -82,7 +82,8 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         replay_cost = _pct(lo("lora", "replay_only"), nl("replay_only"))
         gain = (lo("lora", "eager") / lo("lora", "graph")
                 if lo("lora", "eager") and lo("lora", "graph") else None)
-        out.append([f"{preset} ({layers} layers, {step})", str(bs), str(adapters), ranks,
+        model = f"{preset} ({layers} layers{'' if step == 'decode' else ', ' + step})"
+        out.append([model, str(bs), str(adapters), ranks,
                     fmt(nl("eager"), ".0f"), fmt(nl("graph"), ".0f"),
                     fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),
                     f"{fmt(nl('replay_only'), '.0f')} / {fmt(lo('lora', 'replay_only'), '.0f')}",

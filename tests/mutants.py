@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         base = Path(tmp) / "baseline"
         _copy_tree(base)
+        print(f"baseline: the stale-state tests on the unmutated tree (schedule scale "
+              f"{args.scale}) ...", flush=True)
         rc, out, dt = _run(base, args.scale, args.timeout)
         if rc != 0:
             print(out[-3000:])
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
             return 2
         print(f"baseline passes ({dt:.0f}s)", flush=True)
         killed = 0
-        for m in chosen:
+        for i, m in enumerate(chosen):
+            print(f"[{i + 1}/{len(chosen)}] {m.name}: {m.breaks} ...", flush=True)
             tree = Path(tmp) / m.name
             _copy_tree(tree)
             _apply(tree, m)
