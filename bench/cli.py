@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         print("NOTE: CPU times are wall clock of the Triton interpreter and Python; they prove "
               "the pipeline runs end to end and mean nothing as performance figures.")
-    ctx = Context(device, ceil, PROFILES[profile].reps, profile)
+    ctx = Context(device, ceil, PROFILES[profile].reps, profile, tele)
     summary = []
     for name, cases in todo.items():
         rows = run_suite(name, cases, ctx, tele, run, out, slug, args.publish)

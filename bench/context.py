@@ -1,13 +1,16 @@
 """What every case of a run shares: the device, the ceilings measured in this run, the
-repetitions and the profile name (for reproduce commands)."""
+repetitions, the profile name (for reproduce commands) and the NVML telemetry (the runner
+records each whole case; a suite may open ``telemetry.span()`` around its timed part too,
+e.g. for joules per token)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from bench.hardware import Ceilings
+from bench.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -16,3 +19,4 @@ class Context:
     ceilings: Ceilings
     reps: int
     profile: str
+    telemetry: Telemetry = field(default_factory=Telemetry)

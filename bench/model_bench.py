@@ -1,7 +1,8 @@
-"""Decode step of the whole model: eager vs graph, a runtime without LoRA, and a LoRA runtime
-serving base-only traffic (which must cost nothing) and LoRA traffic.
+"""Decode and prefill steps of the whole model: eager vs graph, a runtime without LoRA, and a
+LoRA runtime serving base-only traffic (which must cost nothing) and LoRA traffic.
 
-A case is one runtime (``adapters == 0``: built without LoRA) at one batch size. Paths:
+A case is one runtime (``adapters == 0``: built without LoRA) at one batch size (prefill:
+``batch_size`` prompts of ``context`` tokens). Paths:
 ``eager`` (prepare + eager forward), ``graph`` (what a serving loop calls per step: LoRA plan,
 static-buffer refresh, replay) and ``replay_only`` (the captured graph alone). Before timing,
 every traffic of the case is verified: the graph step equals an eager forward of the same
@@ -15,6 +16,7 @@ rows, the runtime's capture figures.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +48,8 @@ class ModelCase(Case):
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        if self.step != "decode":
-            raise ValueError(f"model step {self.step!r} is not benchmarked yet; use 'decode'")
+        if self.step not in ("decode", "prefill"):
+            raise ValueError(f"model step must be 'decode' or 'prefill', got {self.step!r}")
         if self.adapters and not self.ranks:
             raise ValueError("a LoRA case needs ranks, e.g. ranks=(16,)")
 
@@ -61,8 +63,12 @@ class ModelCase(Case):
     @property
     def runtime_key(self) -> tuple:
         """Cases that can share one runtime (they differ in batch size only)."""
-        return (self.preset, self.layers, self.context, self.adapters, self.ranks,
+        return (self.step, self.preset, self.layers, self.context, self.adapters, self.ranks,
                 self.backend, self.dtype)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * (self.context if self.step == "prefill" else 1)
 
     @property
     def traffics(self) -> tuple[str, ...]:
@@ -90,11 +96,12 @@ class RuntimeCache:
     def get(self, case: ModelCase) -> BenchRuntime:
         if case.runtime_key != self.key:
             self.runtime = None
+            gc.collect()  # the previous runtime's graphs and weights, before the next capture
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             with nvtx_range(f"capture {case.label}"):
                 self.runtime = BenchRuntime(
-                    case.preset, case.layers, case.context, case.adapters, case.ranks,
+                    case.step, case.preset, case.layers, case.context, case.adapters, case.ranks,
                     case.backend, case.dtype, self.sizes[case.runtime_key], self.device)
             self.key = case.runtime_key
         return self.runtime
@@ -102,7 +109,7 @@ class RuntimeCache:
 
 def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict]:
     rt = runtimes.get(case)
-    batches = {t: rt.decode_batch(case.batch_size, t) for t in case.traffics}
+    batches = {t: rt.batch(case.batch_size, t) for t in case.traffics}
     try:
         try:
             checks = {t: _verify(case, rt, batch) for t, (batch, _) in batches.items()}
@@ -112,8 +119,9 @@ def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict
         rows = []
         for traffic, (batch, _) in batches.items():
             for path in PATHS:
-                fn = {"eager": lambda b=batch: rt.eager(b), "graph": lambda b=batch: rt.step(b),
-                      "replay_only": rt.replay_only(batch)}[path]
+                fn = (rt.replay_only(batch) if path == "replay_only" else
+                      (lambda b=batch: rt.eager(b)) if path == "eager" else
+                      (lambda b=batch: rt.step(b)))
                 with nvtx_range(f"{path} {traffic} {case.label}"):
                     t = bench_time(fn, device=ctx.device, mode="events", reps=ctx.reps, warmup=3)
                 derived = _derived(case, rt, t, ctx, None if path == "eager" else rt.last_kind)
@@ -147,6 +155,7 @@ def _verify(case: ModelCase, rt: BenchRuntime, batch) -> dict:
 
 def _derived(case, rt, t, ctx, graph_kind) -> dict:
     floor_us = rt.weight_bytes / (ctx.ceilings.copy_gbps * 1e3)
-    return {"graph_kind": graph_kind, "tokens_per_s": case.batch_size / (t.median_us * 1e-6),
+    return {"graph_kind": graph_kind, "tokens": case.tokens,
+            "tokens_per_s": case.tokens / (t.median_us * 1e-6),
             "weight_bytes": rt.weight_bytes, "floor_us": floor_us,
             "x_floor": t.median_us / floor_us}

@@ -1,7 +1,7 @@
 """The model bench's one seam with the runtime: builds a model (random weights), its KV cache,
-optionally a LoRA manager with random adapters, and a decode graph runner; exposes the three
-timed paths and the checks. Every use of ``ModelRunner`` / ``GraphRunner`` by ``bench/`` is
-here, so a change of those APIs is adapted in this file alone."""
+optionally a LoRA manager with random adapters, and a decode or prefill graph runner; exposes
+the three timed paths and the checks. Every use of ``ModelRunner`` / ``GraphRunner`` by
+``bench/`` is here, so a change of those APIs is adapted in this file alone."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ PREFILL_TOKENS = 2048  # prefill attention is dense over the packed batch: fill 
 
 class BenchRuntime:
     """``adapters == 0``: a runtime built without LoRA. Otherwise ``adapters`` random adapters,
-    adapter i of rank ``ranks[i % len(ranks)]``, in as many GPU slots."""
+    adapter i of rank ``ranks[i % len(ranks)]``, in as many GPU slots. ``step``: "decode"
+    (buckets by batch size, ``context`` tokens cached per request) or "prefill" (buckets by
+    token count, prompts of ``context`` tokens)."""
 
-    def __init__(self, preset: str, layers: int, context: int, adapters: int,
+    def __init__(self, step: str, preset: str, layers: int, context: int, adapters: int,
                  ranks: tuple[int, ...], backend: str, dtype: torch.dtype,
                  batch_sizes: list[int], device: torch.device) -> None:
         self.config = config = PRESETS[preset](layers)
-        self.device, self.context = device, context
+        self.device, self.context, self.step_kind = device, context, step
         self.model = LlamaForCausalLM.random(config, dtype, device)
         # Room for one batch of each traffic (base, LoRA) at the largest batch size.
         self.kv = KVCache(config, 2 * max(batch_sizes) * (context + 8) + 8, dtype, device)
@@ -42,7 +44,13 @@ class BenchRuntime:
                 self.lora.load_adapter(n, random_adapter(config, n, ranks[i % len(ranks)],
                                                          seed=i, dtype=dtype))
         self.runner = ModelRunner(self.model, self.kv, self.lora)
-        self.graphs = GraphRunner.decode(self.runner, sorted(batch_sizes), context + 8).capture()
+        if step == "decode":
+            self.graphs = GraphRunner.decode(self.runner, sorted(set(batch_sizes)), context + 8)
+        else:
+            self.graphs = GraphRunner.prefill(self.runner, sorted({b * context for b in
+                                                                   batch_sizes}),
+                                              max(batch_sizes))
+        self.graphs.capture()
         registered = getattr(self.runner, "graphs", None)
         if isinstance(registered, list) and self.graphs in registered:
             registered.remove(self.graphs)  # eager and graph paths are timed explicitly
@@ -54,12 +62,15 @@ class BenchRuntime:
         return {"capture_seconds": s.total_capture_seconds, "graph_memory_bytes": s.memory_bytes,
                 "graphs": len(self.graphs.graphs), "buckets": list(self.graphs.buffers.buckets)}
 
-    def decode_batch(self, batch_size: int, traffic: str):
-        """Requests with ``context`` prompt tokens in the cache and one new token each;
-        ``traffic == "lora"`` spreads them round-robin over the adapters."""
+    def batch(self, batch_size: int, traffic: str):
+        """Requests of ``context`` prompt tokens, ``traffic == "lora"`` spreading them
+        round-robin over the adapters. Prefill: their prompts. Decode: one new token each,
+        the prompts already in the cache. Returns the batch and the requests."""
         names = self.names if traffic == "lora" else [None]
         reqs = [Request(torch.randint(0, self.config.vocab_size, (self.context,)).tolist(),
                         names[i % len(names)], 4) for i in range(batch_size)]
+        if self.step_kind == "prefill":
+            return build_extend(reqs, self.kv, self.device), reqs
         group = max(1, PREFILL_TOKENS // self.context)
         for i in range(0, batch_size, group):
             self.runner.forward_eager(build_extend(reqs[i : i + group], self.kv, self.device))

@@ -53,10 +53,16 @@ def model_cases(profile: str) -> list[model_bench.ModelCase]:
         # Adapter counts at r=16, then ranks (and a mixed-rank set) at 16 adapters.
         runtimes = [(0, ()), (1, (16,)), (4, (16,)), (16, (16,)), (64, (16,)),
                     (16, (8,)), (16, (64,)), (16, (8, 16, 64))]
-        return model_bench.cases("decode", "llama3-8b", 4, 256, (1, 8, 32, 64, 256), runtimes,
-                                 "triton", dt)
+        return (model_bench.cases("decode", "llama3-8b", 4, 256, (1, 8, 32, 64, 256), runtimes,
+                                  "triton", dt)
+                + model_bench.cases("prefill", "llama3-8b", 4, 256, (1, 4, 8),
+                                    [runtimes[i] for i in (0, 2, 3, 4, 7)], "triton", dt))
     if profile == "gpu-quick":
-        return model_bench.cases("decode", "llama3-8b", 2, 128, (1, 32),
-                                 [(0, ()), (4, (16,)), (4, (8, 16, 64))], "triton", dt)
-    return model_bench.cases("decode", "tiny", 2, 16, (1, 4),
-                             [(0, ()), (2, (8,)), (2, (4, 8))], "torch", dt)
+        return (model_bench.cases("decode", "llama3-8b", 2, 128, (1, 32),
+                                  [(0, ()), (4, (16,)), (4, (8, 16, 64))], "triton", dt)
+                + model_bench.cases("prefill", "llama3-8b", 2, 256, (4,),
+                                    [(0, ()), (4, (16,))], "triton", dt))
+    return (model_bench.cases("decode", "tiny", 2, 16, (1, 4),
+                              [(0, ()), (2, (8,)), (2, (4, 8))], "torch", dt)
+            + model_bench.cases("prefill", "tiny", 2, 16, (2,), [(0, ()), (2, (4, 8))], "torch",
+                                dt))

@@ -1,4 +1,5 @@
-"""Progress over a sweep: a tqdm bar when tqdm is installed, else one counter line per case."""
+"""Progress over a sweep: a tqdm bar on a terminal when tqdm is installed, else (logs, CI, no
+tqdm) one counter line per case."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class Progress:
     def __init__(self, total: int, desc: str) -> None:
         self.total, self.desc, self.done, self.t0 = total, desc, 0, time.perf_counter()
         self.bar = (tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True,
-                         file=sys.stderr) if tqdm is not None else None)
+                         file=sys.stderr) if tqdm is not None and sys.stderr.isatty() else None)
 
     def start(self, label: str) -> None:
         if self.bar is not None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import html
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import plotly.io as pio
@@ -123,10 +126,13 @@ def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None) -> 
     model_rows = [r for r in rows if r["suite"] == "model"]
     parts = [
         "<h1>multilora-graphs benchmark report</h1>",
+        ('<p class="bad">CPU runs: their times are wall clock of the Triton interpreter and '
+         'Python; they prove the pipeline and mean nothing as performance figures.</p>'
+         if any(r.get("device") == "cpu" for r in runs.values()) else ""),
         "<h2>Environment</h2>", environment(runs),
         "<h2>Verification</h2>", verification(rows),
         "<h2>Headline: kernels (median us)</h2>", kernel_headline(kernel_rows),
-        "<h2>Headline: whole-model decode step (median us)</h2>",
+        "<h2>Headline: whole-model step, decode and prefill (median us)</h2>",
         _table(*table.model_cells(model_rows)) if model_rows else "<p>No model rows.</p>",
         "<h2>LoRA % of base vs tokens</h2>", _figs_html(charts.kernel_pct_of_base(rows),
                                                         "No kernel rows."),
@@ -179,6 +185,8 @@ def main(argv=None) -> int:
                    help="result files or run folders to compare with")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="HTML file (default: report.html in the first run folder given)")
+    p.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
+                   help="also save a screenshot of the report's top (headless Chromium)")
     args = p.parse_args(argv)
     paths = args.paths
     if not paths:
@@ -193,7 +201,23 @@ def main(argv=None) -> int:
     out = args.output or ((paths[0] if paths[0].is_dir() else paths[0].parent) / "report.html")
     write_report(paths, args.baseline, out)
     print(f"report: {out}")
+    if args.screenshot:
+        screenshot(out, args.screenshot)
+        print(f"screenshot: {args.screenshot}")
     return 0
+
+
+def screenshot(page: Path, png: Path, size: str = "1400,2400") -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        raise SystemExit("--screenshot needs chromium (Debian: apt-get install -y chromium)")
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update",
+                        "--disable-sync", f"--user-data-dir={profile}",
+                        "--virtual-time-budget=15000", f"--window-size={size}",
+                        f"--screenshot={png.resolve()}", page.resolve().as_uri()],
+                       check=True, capture_output=True, timeout=180)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ their key and the usual stats, telemetry and verification.
 throughput (``ThroughputCase``; variant ``{}``; ``timing``: per-step times, optional)
     derived: ``output_tokens_per_s``, ``requests_per_s``, ``ttft_p50_ms``, ``ttft_p99_ms``,
     ``tpot_p50_ms``, ``tpot_p99_ms``, ``output_tokens``, ``duration_s``,
-    ``joules_per_token`` (telemetry ``energy_j`` / ``output_tokens``; null without NVML),
+    ``joules_per_token`` (``energy_j`` of ``ctx.telemetry.span()`` around the timed run /
+    ``output_tokens``; null without NVML),
     ``pct_of_base`` (output tokens/s over the ``adapters=0`` case of the same workload).
 idle (``IdleCase``; variant ``{"runtime": "lora"|"no_lora", "path": "eager"|"graph"}``;
     ``timing``: the forward's time)
