@@ -51,6 +51,25 @@ class ExtendAttention:
     (key j at position j; the new tokens are its last q_starts[i+1] - q_starts[i] keys)."""
 
 
+@dataclass(frozen=True)
+class GatheredRows:
+    """Data-parallel attention: the MLP runs on the rows of every rank, gathered rank after
+    rank, each rank's padded to ``rows_per_rank``. Agreed by all ranks before the step."""
+
+    mode: ForwardMode
+    """The step's mode on every non-idle rank (DECODE or EXTEND; eager steps may mix them,
+    then EXTEND)."""
+    rows_per_rank: int
+    adapters: tuple[tuple[str | None, ...], ...]
+    """Per rank, per request: its adapter (None: the base model)."""
+    lens: tuple[tuple[int, ...], ...]
+    """Per rank, per request: its rows in this step."""
+
+    @property
+    def has_adapters(self) -> bool:
+        return any(a is not None for rank in self.adapters for a in rank)
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -64,6 +83,8 @@ class ForwardBatch:
     """Per request; None: the base model."""
     extend_lens: tuple[int, ...] = ()
     """Token rows per request (1 each in decode)."""
+    gathered: GatheredRows | None = None
+    """Set under data-parallel attention (the MLP's gathered layout)."""
 
     @property
     def batch_size(self) -> int:
@@ -88,12 +109,15 @@ class ForwardBatch:
             raise ValueError("a decode batch has exactly one token per request")
 
     @staticmethod
-    def idle(lora_manager: LoRAManager | None, device) -> ForwardBatch:
-        """An empty batch. Resets the LoRA batch state: nothing may read the previous one."""
+    def idle(lora_manager: LoRAManager | None, device,
+             gathered: GatheredRows | None = None) -> ForwardBatch:
+        """An empty batch. Resets the LoRA batch state: nothing may read the previous one.
+        Under DP, ``gathered`` describes the other ranks' rows its MLP still serves."""
         if lora_manager is not None:
             lora_manager.reset_lora_batch()
         empty = torch.empty(0, dtype=torch.long, device=device)
         return ForwardBatch(
             ForwardMode.IDLE, empty, empty, empty, empty,
             DecodeAttention(torch.empty(0, 1, dtype=torch.long, device=device), empty),
+            gathered=gathered,
         )

@@ -19,7 +19,8 @@ class ModelRunner:
     @torch.no_grad()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of ``batch.logits_rows``."""
-        if self.lora is not None and batch.mode is not ForwardMode.IDLE:
+        if self.lora is not None and (batch.mode is not ForwardMode.IDLE
+                                      or batch.gathered is not None):
             self.lora.prepare_lora_batch(batch)
         return self.model(batch, self.kv)
 

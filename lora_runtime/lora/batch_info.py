@@ -21,10 +21,17 @@ class LoRABatchPlan:
     """Token rows (embedding and every linear layer)."""
     logits_rows: SegmentPlan
     """Rows that reach lm_head: one per request (the last token in prefill)."""
+    gathered: SegmentPlan | None = None
+    """Data-parallel attention: the MLP's rows, gathered from every rank (None: the MLP runs
+    on ``rows``)."""
+
+    @property
+    def has_local_adapters(self) -> bool:
+        return bool(self.rows.blocks) or bool(self.logits_rows.blocks)
 
     @property
     def has_adapters(self) -> bool:
-        return bool(self.rows.blocks) or bool(self.logits_rows.blocks)
+        return self.has_local_adapters or bool(self.gathered and self.gathered.blocks)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 ``lora_active`` (``set_lora and backend.batch_info is not None``, contract 2).
 
 Gating on ``set_lora`` alone would run LoRA in an idle forward with no (or stale) metadata.
+MLP layers read the MLP's layout (``RowSet.GATHERED``): under DP attention it covers every
+rank's rows and is set on an idle rank too, whose own layout stays None.
 Without tensor parallelism, column- and row-parallel wrappers compute the same thing; they
 stay distinct types so a module map reads like a serving engine's.
 """
@@ -27,7 +29,7 @@ class LoRALayer(nn.Module):
 
     @property
     def lora_active(self) -> bool:
-        return self.set_lora and self.backend.batch_info is not None
+        return self.set_lora and self.backend.layout_ready(self.rows)
 
 
 class LinearWithLoRA(LoRALayer):
@@ -43,7 +45,15 @@ class ColumnLinearWithLoRA(LinearWithLoRA):
 
 
 class RowLinearWithLoRA(LinearWithLoRA):
-    """o_proj, down_proj."""
+    """o_proj."""
+
+
+class MLPRowLinearWithLoRA(RowLinearWithLoRA):
+    """down_proj: runs on the MLP's rows. Under DP it is row-parallel: A holds this rank's
+    input columns and B is whole, so the partial LoRA term is added before the
+    reduce-scatter that sums the base layer's partial outputs, and is summed with them."""
+
+    rows = RowSet.GATHERED
 
 
 class QKVLinearWithLoRA(LinearWithLoRA):
@@ -51,7 +61,10 @@ class QKVLinearWithLoRA(LinearWithLoRA):
 
 
 class MergedColumnLinearWithLoRA(LinearWithLoRA):
-    """Fused gate, up: two slices of equal width."""
+    """Fused gate, up: two slices of equal width, on the MLP's rows. Under DP it is
+    column-parallel: A is whole and B holds this rank's output rows of each slice."""
+
+    rows = RowSet.GATHERED
 
 
 class LMHeadWithLoRA(LinearWithLoRA):
@@ -73,6 +86,6 @@ WRAPPERS = {
     "qkv_proj": QKVLinearWithLoRA,
     "o_proj": RowLinearWithLoRA,
     "gate_up_proj": MergedColumnLinearWithLoRA,
-    "down_proj": RowLinearWithLoRA,
+    "down_proj": MLPRowLinearWithLoRA,
     "lm_head": LMHeadWithLoRA,
 }

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import LoRAWeights, plan_segments
-from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from kernels import LoRAWeights, SegmentPlan, plan_segments
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.lora.adapters import AdapterError, LoRAAdapter, load_peft_adapter
 from lora_runtime.lora.backends import LoRAGraphBuffers, make_backend
 from lora_runtime.lora.batch_info import (
@@ -22,7 +22,7 @@ from lora_runtime.lora.layers import WRAPPERS
 from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, SLICES
+from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, SLICES, TENSOR_PARALLEL
 
 
 class LoRAManager:
@@ -36,13 +36,18 @@ class LoRAManager:
         self.pool = SlotPool(config.max_loras_per_batch)
         self.adapters: dict[str, LoRAAdapter] = {}
         self._in_batch: set[str] = set()
+        self.dp = model.model.layers[0].mlp.dp if model.model.layers else None
+        """Set when the model's MLP is sharded for DP attention (its LoRA is sharded to match)."""
         self._wrap_modules()
 
     # -- batch state (contracts 1 and 3) ------------------------------------------------------
     def prepare_lora_batch(self, batch: ForwardBatch) -> None:
         """Sets the backend's batch state for this forward. A batch without adapters (or an
-        idle one) resets it instead, so its forward runs no LoRA launch at all."""
-        if batch.mode is ForwardMode.IDLE or not batch.has_adapters:
+        idle one) resets it instead, so its forward runs no LoRA launch at all. Under DP
+        that holds for the whole step: an idle rank, or one without adapters, still prepares
+        the MLP's gathered layout when another rank's rows have adapters."""
+        active = batch.has_adapters if batch.gathered is None else batch.gathered.has_adapters
+        if not active or (batch.mode is ForwardMode.IDLE and batch.gathered is None):
             self.reset_lora_batch()
             return
         self.backend.prepare(self.plan_lora_batch(batch))
@@ -55,13 +60,18 @@ class LoRAManager:
         """Moves the batch's adapters into slots (evicting LRU ones) and plans its layouts.
         Raises, changing nothing, when an adapter is unknown or they cannot all fit."""
         names = batch.adapter_names
-        unknown = sorted({n for n in names if n is not None and n not in self.adapters})
+        g = batch.gathered
+        everyone = names if g is None else [n for rank in g.adapters for n in rank]
+        unknown = sorted({n for n in everyone if n is not None and n not in self.adapters})
         if unknown:
             raise KeyError(f"the batch names adapters that are not loaded: {unknown}. Call "
                            "LoRAManager.load_adapter(name, path) first")
-        self._acquire({n for n in names if n is not None})
+        # Under DP every rank acquires the same union in the same order, so slots agree.
+        self._acquire({n for n in everyone if n is not None})
         slots = [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
-        if batch.mode is ForwardMode.DECODE:
+        if batch.mode is ForwardMode.IDLE:
+            rows = logits = plan_segments([], None, block_m=LOGITS_BLOCK_M)
+        elif batch.mode is ForwardMode.DECODE:
             rows = plan_segments(slots, None, block_m=DECODE_BLOCK_M, skip_slot=self.neutral_slot)
             # One row per request already: the lm_head pass has the same layout.
             logits = rows if LOGITS_BLOCK_M == DECODE_BLOCK_M else plan_segments(
@@ -71,16 +81,31 @@ class LoRAManager:
                                  skip_slot=self.neutral_slot)
             logits = plan_segments(slots, None, block_m=LOGITS_BLOCK_M,
                                    skip_slot=self.neutral_slot)
-        plan = LoRABatchPlan(rows, logits)
-        self._in_batch = {n for n in names if n is not None}
+        plan = LoRABatchPlan(rows, logits, None if g is None else self._gathered_plan(g))
+        self._in_batch = {n for n in everyone if n is not None}
         return plan
+
+    def _gathered_plan(self, g: GatheredRows) -> SegmentPlan:
+        """Every rank's rows, rank after rank, each rank's padded (neutral) to rows_per_rank."""
+        slots, lens = [], []
+        for rank, (names, rank_lens) in enumerate(zip(g.adapters, g.lens, strict=True)):
+            pad = g.rows_per_rank - sum(rank_lens)
+            if pad < 0:
+                raise ValueError(f"rank {rank} has {sum(rank_lens)} rows but the step agreed on "
+                                 f"{g.rows_per_rank} rows per rank")
+            slots += [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
+            lens += [*rank_lens, pad]
+            slots.append(self.neutral_slot)
+        block_m = DECODE_BLOCK_M if g.mode is ForwardMode.DECODE else EXTEND_BLOCK_M
+        return plan_segments(slots, lens, block_m=block_m, skip_slot=self.neutral_slot)
 
     # -- graph hooks: a graph runner's only contact with LoRA ------------------------------
     def init_graph_buffers(self, mode: ForwardMode, max_rows: int,
                            max_requests: int) -> LoRAGraphBuffers:
         """Static LoRA metadata for one graph runner (allocated once; the runner owns it)."""
         block_m = DECODE_BLOCK_M if mode is ForwardMode.DECODE else EXTEND_BLOCK_M
-        return self.backend.init_capture_buffers(max_rows, max_requests, block_m)
+        dp_size = 1 if self.dp is None else self.dp.size
+        return self.backend.init_capture_buffers(max_rows, max_requests, block_m, dp_size)
 
     def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int) -> None:
         """Points the batch state at ``buffers``, neutral, for capturing the LoRA variant."""
@@ -89,8 +114,9 @@ class LoRAManager:
 
     def prepare_for_replay(self, buffers: LoRAGraphBuffers, batch: ForwardBatch | None,
                            rows: int, requests: int) -> None:
-        """Before replaying the LoRA variant: plans ``batch`` (None: idle, all neutral), then
-        refreshes ``buffers`` in place. A planning error raises before any buffer is written."""
+        """Before replaying the LoRA variant: plans ``batch`` (None: idle, all neutral; under
+        DP an idle batch with its gathered rows), then refreshes ``buffers`` in place. A
+        planning error raises before any buffer is written."""
         plan = None if batch is None else self.plan_lora_batch(batch)
         self.backend.prepare_for_replay(buffers, plan, rows, requests)
 
@@ -173,8 +199,9 @@ class LoRAManager:
                     w.lora_a[slot, s * r_max : (s + 1) * r_max].zero_()
                     w.lora_b[slot, lo:hi].zero_()
                     if m is not None:
-                        w.lora_a[slot, s * r_max : s * r_max + r].copy_(m.a)
-                        w.lora_b[slot, lo:hi, :r].copy_(m.b)
+                        a, b = self._local_weights(module, m)
+                        w.lora_a[slot, s * r_max : s * r_max + r].copy_(a)
+                        w.lora_b[slot, lo:hi, :r].copy_(b)
                 w.ranks[slot, s] = r
                 w.scalings[slot, s] = 0.0 if m is None else m.scaling
         self.pool.assign(slot, name)
@@ -193,9 +220,9 @@ class LoRAManager:
             for module in LAYER_MODULES:
                 parent = getattr(layer, BLOCK_OF[module])
                 if module in wanted:
-                    shape = cfg.module_shape(module)
-                    w = LoRAWeights.for_linear(n, shape.in_features, shape.slice_widths,
-                                               self.config.max_rank, self.dtype, self.device)
+                    k, widths = self._local_shape(module)
+                    w = LoRAWeights.for_linear(n, k, widths, self.config.max_rank, self.dtype,
+                                               self.device)
                     self._wrap(parent, module, (layer_idx, module), w)
         if "embed_tokens" in wanted:
             w = LoRAWeights.for_embedding(n, cfg.vocab_size, cfg.hidden_size,
@@ -205,6 +232,29 @@ class LoRAManager:
             w = LoRAWeights.for_linear(n, cfg.hidden_size, (cfg.vocab_size,),
                                        self.config.max_rank, self.dtype, self.device)
             self._wrap(self.model, "lm_head", (None, "lm_head"), w)
+
+    def _local_shape(self, module: str) -> tuple[int, tuple[int, ...]]:
+        """(in_features, slice widths) this rank holds: under DP, A of a row-parallel module
+        keeps its input shard and B of a column-parallel one its output shard."""
+        shape = self.model.config.module_shape(module)
+        k, widths = shape.in_features, shape.slice_widths
+        kind = TENSOR_PARALLEL.get(module) if self.dp is not None else None
+        if kind == "row":
+            k //= self.dp.size
+        elif kind == "column":
+            widths = tuple(w // self.dp.size for w in widths)
+        return k, widths
+
+    def _local_weights(self, module: str, m):
+        """This rank's shard of one adapter module's (A, B)."""
+        kind = TENSOR_PARALLEL.get(module) if self.dp is not None else None
+        if kind == "row":
+            k = m.a.shape[1] // self.dp.size
+            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], m.b
+        if kind == "column":
+            n = m.b.shape[0] // self.dp.size
+            return m.a, m.b[self.dp.rank * n : (self.dp.rank + 1) * n]
+        return m.a, m.b
 
     def _wrap(self, parent: nn.Module, attr: str, key, weights: LoRAWeights) -> None:
         base = getattr(parent, attr)

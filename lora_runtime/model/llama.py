@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_runtime.dp.collectives import gather_rows, reduce_scatter_rows
+from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.forward_batch import ForwardBatch
 from lora_runtime.model.attention import LlamaAttention
 from lora_runtime.model.config import LlamaConfig
@@ -19,8 +21,17 @@ class LlamaMLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.dp: DPGroup | None = None
+        """Set by ``lora_runtime.dp.shard.shard_mlp``: this rank holds 1/size of the
+        intermediate dimension and runs on the rows gathered from every rank."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.dp is None:
+            return self._local(x)
+        rows = gather_rows(x, batch.gathered.rows_per_rank, self.dp)
+        return reduce_scatter_rows(self._local(rows), self.dp)[: x.shape[0]]
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -35,7 +46,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden, batch: ForwardBatch, kv) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch)
 
 
 class LlamaModel(nn.Module):

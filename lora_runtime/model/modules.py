@@ -43,6 +43,9 @@ for _t in TARGETS:
 BLOCK_OF: dict[str, str | None] = {t.module: t.block for t in TARGETS}
 """Fused module -> its block (None at model level)."""
 LAYER_MODULES: tuple[str, ...] = tuple(m for m, b in BLOCK_OF.items() if b is not None)
+TENSOR_PARALLEL: dict[str, str] = {"gate_up_proj": "column", "down_proj": "row"}
+"""Under DP attention the MLP is tensor-parallel: column-parallel modules keep 1/size of each
+slice's outputs, row-parallel ones 1/size of their inputs. Other modules stay whole."""
 
 
 def target(name: str) -> Target:

@@ -22,6 +22,8 @@ from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatc
 class RowSet(enum.Enum):
     TOKENS = "tokens"
     LOGITS = "logits"
+    GATHERED = "gathered"
+    """The MLP's rows: this rank's tokens, or under DP attention every rank's, gathered."""
 
 
 @dataclass
@@ -30,6 +32,8 @@ class LoRAGraphBuffers:
 
     tokens: StaticSegmentLayout
     logits: StaticSegmentLayout
+    gathered: StaticSegmentLayout | None = None
+    """Under DP attention: ``dp_size`` times the token rows."""
 
 
 class LoRABackend:
@@ -41,22 +45,41 @@ class LoRABackend:
         self.device = torch.device(device)
         self.batch_info: LoRABatchInfo | None = None
         self.logits_info: SegmentLayout | None = None  # derived per batch: the lm_head pass
+        # The MLP's layout: batch_info's rows, or under DP the gathered rows (then it may be
+        # set while batch_info is None: an idle rank's MLP serves the other ranks' tokens).
+        self.gathered_info: SegmentLayout | None = None
 
     # -- batch-state contract -------------------------------------------------------------
     def prepare(self, plan: LoRABatchPlan) -> None:
-        """Eager forward: exact-size metadata, one host-to-device copy per layout."""
-        self._set(LoRABatchInfo.from_plan(plan, self.device),
-                  SegmentLayout.from_plan(plan.logits_rows, self.device))
+        """Eager forward: exact-size metadata, one host-to-device copy per layout. Under DP,
+        a rank whose own rows have no adapter keeps ``batch_info`` None."""
+        info = logits = None
+        if plan.gathered is None or plan.has_local_adapters:
+            info = LoRABatchInfo.from_plan(plan, self.device)
+            logits = SegmentLayout.from_plan(plan.logits_rows, self.device)
+        gathered = None if plan.gathered is None else SegmentLayout.from_plan(plan.gathered,
+                                                                             self.device)
+        self._set(info, logits, gathered)
 
-    def _set(self, info: LoRABatchInfo, logits: SegmentLayout) -> None:
+    def _set(self, info: LoRABatchInfo | None, logits: SegmentLayout | None,
+             gathered: SegmentLayout | None = None) -> None:
         self.reset_batch_state()
         self.batch_info = info
         self.logits_info = logits
+        self.gathered_info = gathered if gathered is not None else (
+            None if info is None else info.rows)
 
     def reset_batch_state(self) -> None:
         """Clears the batch and everything derived from it (subclasses extend this)."""
         self.batch_info = None
         self.logits_info = None
+        self.gathered_info = None
+
+    def layout_ready(self, rows: RowSet) -> bool:
+        """Whether layers reading ``rows`` have prepared metadata (their ``lora_active``)."""
+        if rows is RowSet.GATHERED:
+            return self.gathered_info is not None
+        return self.batch_info is not None
 
     # -- called by LoRA layers ------------------------------------------------------------
     def run_linear(self, x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights,
@@ -79,6 +102,8 @@ class LoRABackend:
             )
         if rows is RowSet.TOKENS:
             return self.batch_info.rows
+        if rows is RowSet.GATHERED:
+            return self.gathered_info
         if self.logits_info is None:
             raise RuntimeError(f"{self.name} backend {what}: the batch has no lm_head pass")
         return self.logits_info
@@ -95,13 +120,15 @@ class LoRABackend:
 
     # -- graph hooks ------------------------------------------------------------------------
     def init_capture_buffers(self, max_rows: int, max_requests: int,
-                             block_m: int) -> LoRAGraphBuffers:
+                             block_m: int, dp_size: int = 1) -> LoRAGraphBuffers:
         """Static metadata for a graph runner (allocated once; the runner owns it)."""
         slots = self.num_slots + 1
+        layout = lambda rows, bm: StaticSegmentLayout(  # noqa: E731
+            rows, slots, bm, self.neutral_slot, self.device)
         return LoRAGraphBuffers(
-            StaticSegmentLayout(max_rows, slots, block_m, self.neutral_slot, self.device),
-            StaticSegmentLayout(max_requests, slots, LOGITS_BLOCK_M, self.neutral_slot,
-                                self.device),
+            layout(max_rows, block_m),
+            layout(max_requests, LOGITS_BLOCK_M),
+            layout(dp_size * max_rows, block_m) if dp_size > 1 else None,
         )
 
     def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int) -> None:
@@ -113,4 +140,10 @@ class LoRABackend:
         """Refreshes the static buffers in place (None: an idle batch, all neutral)."""
         buffers.tokens.write(None if plan is None else plan.rows, rows)
         buffers.logits.write(None if plan is None else plan.logits_rows, requests)
-        self._set(LoRABatchInfo(buffers.tokens.view(rows)), buffers.logits.view(requests))
+        gathered = None
+        if buffers.gathered is not None:
+            gathered_rows = rows * (buffers.gathered.max_rows // buffers.tokens.max_rows)
+            buffers.gathered.write(None if plan is None else plan.gathered, gathered_rows)
+            gathered = buffers.gathered.view(gathered_rows)
+        self._set(LoRABatchInfo(buffers.tokens.view(rows)), buffers.logits.view(requests),
+                  gathered)
