@@ -31,7 +31,7 @@ from lora_runtime.model.attention_ops import (
 from lora_runtime.model.config import tiny
 from lora_runtime.model.llama import LlamaForCausalLM
 
-EXAMPLES = 20 if ON_GPU else 6
+EXAMPLES = 12 if ON_GPU else 6
 SLOTS = 1024
 POISON = SLOTS - 1  # holds NaN: any read of it shows in the output
 
