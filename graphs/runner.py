@@ -10,6 +10,7 @@ run adapters) with neutral metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch
 
 from graphs.replayable import Replayable, capture, new_pool
 from graphs.static_batch import DecodeBuffers, PrefillBuffers
-from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.lora.backends import LoRAGraphBuffers
 
@@ -40,6 +41,7 @@ class GraphRunner:
         self.runner, self.buffers = runner, buffers
         self.device = runner.device
         self.lora = runner.lora
+        self.dp = runner.dp
         self.graphs: dict[tuple[str, int], Replayable] = {}
         self.lora_buffers: LoRAGraphBuffers | None = None
         self.stats = GraphStats()
@@ -71,6 +73,10 @@ class GraphRunner:
                 self._set_lora(kind, None, bucket, capture=True)
                 buf.write(None, bucket)
                 batch = buf.view(bucket)
+                if self.dp is not None:
+                    rows = buf.rows(bucket)
+                    batch = dataclasses.replace(batch, gathered=GatheredRows(
+                        buf.mode, rows, ((),) * self.dp.size, ((),) * self.dp.size))
                 t0 = time.perf_counter()
                 self.graphs[(kind, bucket)] = capture(self._forward_of(batch), self.device, pool)
                 self.stats.capture_seconds[f"{kind}/{bucket}"] = time.perf_counter() - t0
@@ -88,19 +94,35 @@ class GraphRunner:
         return forward
 
     # -- replay -------------------------------------------------------------------------------
+    @property
+    def mode(self) -> ForwardMode:
+        return self.buffers.mode
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        return self.buffers.bucket_for(batch)
+
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.buffers.bucket_for(batch) is not None
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+    def replay(self, batch: ForwardBatch, bucket: int | None = None,
+               variant: str | None = None) -> torch.Tensor:
         """Logits of the batch's requests. The tensor is a view of a static output: valid
-        until the next replay."""
-        bucket = self.buffers.bucket_for(batch)
-        if bucket is None:
+        until the next replay. Under DP attention the step agreement fixes ``bucket`` and
+        ``variant`` (the same on every rank, whatever this rank's own batch holds)."""
+        own = self.buffers.bucket_for(batch)
+        bucket = own if bucket is None else bucket
+        if bucket is None or bucket not in self.buffers.buckets or (own or 0) > bucket:
             raise ValueError(f"no captured bucket fits this {batch.mode.value} batch "
-                             f"(buckets {self.buffers.buckets}); check can_run() first")
+                             f"(buckets {self.buffers.buckets}, asked {bucket}); check "
+                             "can_run() first")
         idle = batch.mode is ForwardMode.IDLE
         kind = LORA if self.lora is not None and (idle or batch.has_adapters) else BASE
-        self._set_lora(kind, None if idle else batch, bucket)  # may raise: before any write
+        kind = kind if variant is None else variant
+        if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
+            raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
+                             f"but bucket {bucket} holds {self.buffers.rows(bucket)}")
+        lora_batch = batch if not idle or batch.gathered is not None else None
+        self._set_lora(kind, lora_batch, bucket)  # may raise: before any write
         self.buffers.write(None if idle else batch, bucket)
         self.last_kind, self.last_bucket = kind, bucket
         out = self.graphs[(kind, bucket)].replay()

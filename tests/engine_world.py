@@ -62,37 +62,46 @@ class EngineWorld:
         self.adapters[name] = ad
         return name
 
-    @torch.no_grad()
     def alone(self, req: Request) -> list[torch.Tensor]:
-        """The request run by itself on the reference runtime, fed the engine's own tokens:
-        its logits at every position where the engine sampled a token."""
-        lora, kv = self.ref.lora, self.ref.kv
-        lora.reset_lora_batch()
-        for name in list(lora.adapters):
-            lora.unload_adapter(name)
-        if req.adapter is not None:
-            lora.load_adapter(req.adapter, self.adapters[req.adapter])
-        solo = Request(list(req.prompt), req.adapter, req.max_new_tokens)
-        out = [self.ref.forward_eager(build_extend([solo], kv, self.device))[0].clone()]
-        for tok in req.output[:-1]:
-            solo.output.append(tok)
-            out.append(self.ref.forward_eager(build_decode([solo], kv, self.device))[0].clone())
-        release([solo], kv)
-        return out
+        return run_alone(self.ref, self.adapters, req.prompt, req.adapter, req.output)
 
     def check_request(self, engine: Engine, req: Request) -> int:
         """Every logits row equals the request run alone; each greedy token equals the
         alone run's where the top-2 margin is clear. Returns the tokens compared."""
-        got, want = engine.logits[req.id], self.alone(req)
-        assert len(got) == len(want) == len(req.output), (len(got), len(want), len(req.output))
-        tol = TOL[self.dtype]
-        compared = 0
-        for k, (g, w) in enumerate(zip(got, want, strict=True)):
-            torch.testing.assert_close(
-                g, w, rtol=tol, atol=tol,
-                msg=lambda m, k=k: f"request {req.id} ({req.adapter}) token {k}: {m}")
-            top2 = w.topk(2).values
-            if float(top2[0] - top2[1]) > MARGIN[self.dtype]:
-                assert req.output[k] == int(w.argmax()), f"request {req.id} token {k}"
-                compared += 1
-        return compared
+        return compare_with_alone(engine.logits[req.id], self.alone(req), req.output,
+                                  self.dtype, f"request {req.id} ({req.adapter})")
+
+
+@torch.no_grad()
+def run_alone(ref, adapters: dict, prompt, adapter, output) -> list[torch.Tensor]:
+    """A request run by itself on the runtime ``ref``, fed ``output`` (the tokens another run
+    sampled): its logits at every position where a token was sampled."""
+    lora, kv, device = ref.lora, ref.kv, ref.device
+    lora.reset_lora_batch()
+    for name in list(lora.adapters):
+        lora.unload_adapter(name)
+    if adapter is not None:
+        lora.load_adapter(adapter, adapters[adapter])
+    solo = Request(list(prompt), adapter, len(output))
+    out = [ref.forward_eager(build_extend([solo], kv, device))[0].clone()]
+    for tok in output[:-1]:
+        solo.output.append(tok)
+        out.append(ref.forward_eager(build_decode([solo], kv, device))[0].clone())
+    release([solo], kv)
+    return out
+
+
+def compare_with_alone(got, want, output, dtype, what: str) -> int:
+    """Logits rows equal (by dtype); greedy tokens equal where the top-2 margin is clear.
+    Returns how many tokens were compared."""
+    assert len(got) == len(want) == len(output), (what, len(got), len(want), len(output))
+    tol = TOL[dtype]
+    compared = 0
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol,
+                                   msg=lambda m, k=k: f"{what} token {k}: {m}")
+        top2 = w.topk(2).values
+        if float(top2[0] - top2[1]) > MARGIN[dtype]:
+            assert output[k] == int(w.argmax()), f"{what} token {k}"
+            compared += 1
+    return compared

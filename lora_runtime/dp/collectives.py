@@ -13,6 +13,10 @@ import torch.nn.functional as F
 
 from lora_runtime.dp.group import DPGroup
 
+# Same signatures; newer torch renames them (and deprecates the old names).
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
+
 
 def gather_rows(x: torch.Tensor, rows_per_rank: int, dp: DPGroup) -> torch.Tensor:
     """[t, H] local rows (t <= rows_per_rank) -> [size * rows_per_rank, H]."""
@@ -21,9 +25,9 @@ def gather_rows(x: torch.Tensor, rows_per_rank: int, dp: DPGroup) -> torch.Tenso
                          f"{rows_per_rank} rows per rank")
     if x.shape[0] < rows_per_rank:
         x = F.pad(x, (0, 0, 0, rows_per_rank - x.shape[0]))
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, dp.group))
+    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, dp.group))
 
 
 def reduce_scatter_rows(y: torch.Tensor, dp: DPGroup) -> torch.Tensor:
     """[size * rows_per_rank, H] partial sums -> this rank's [rows_per_rank, H] of the sum."""
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(y.contiguous(), "sum", 0, dp.group))
+    return funcol.wait_tensor(_reduce_scatter(y.contiguous(), "sum", 0, dp.group))

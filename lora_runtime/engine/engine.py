@@ -24,7 +24,9 @@ class GraphReplayer(Protocol):
 
     last_kind: str | None
     last_bucket: int | None
+    mode: ForwardMode
 
+    def bucket_for(self, batch: ForwardBatch) -> int | None: ...
     def can_run(self, batch: ForwardBatch) -> bool: ...
     def replay(self, batch: ForwardBatch) -> torch.Tensor: ...
 

@@ -68,6 +68,9 @@ class Scheduler:
     """The adapters pinned now (they hold slots whether or not a request uses them)."""
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
+    adapter_quota: tuple[set[str], int] | None = None
+    """Data-parallel attention: (adapters every rank may use, how many others this rank may
+    add this step), so the union of all ranks' adapters fits the slots."""
     _overtaken: int = 0
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -107,7 +110,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_batch_size:
                 break
             new_adapters = adapters | ({req.adapter} if req.adapter is not None else set())
-            if req.kv_budget <= free_kv and len(new_adapters) <= self.num_slots:
+            if req.kv_budget <= free_kv and self._slots_fit(new_adapters):
                 self.waiting.remove(req)
                 self.running.append(req)
                 free_kv -= req.kv_budget
@@ -119,6 +122,14 @@ class Scheduler:
                 self._overtaken += 1
                 if self._overtaken > self.config.max_overtake_steps:
                     break
+
+    def _slots_fit(self, adapters: set[str]) -> bool:
+        if len(adapters) > self.num_slots:
+            return False
+        if self.adapter_quota is None:
+            return True
+        known, quota = self.adapter_quota
+        return len(adapters - known) <= quota
 
     def _prefill(self, prefilling: list[Request]) -> ScheduledStep:
         budget = self.config.max_step_tokens

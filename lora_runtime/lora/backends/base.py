@@ -94,11 +94,12 @@ class LoRABackend:
         self.expand(self.embedding_shrink(token_ids, weights, layout), weights, y, layout)
 
     def _layout(self, rows: RowSet, what: str) -> SegmentLayout:
-        if self.batch_info is None:
+        if not self.layout_ready(rows):
+            state = "gathered_info" if rows is RowSet.GATHERED else "batch_info"
             raise RuntimeError(
-                f"{self.name} backend {what}: no LoRA batch is prepared (batch_info is None). "
+                f"{self.name} backend {what}: no LoRA batch is prepared ({state} is None). "
                 "Call LoRAManager.prepare_lora_batch(forward_batch) before the forward; layers "
-                "must gate on lora_active, which is False while batch_info is None"
+                f"must gate on lora_active, which is False while {state} is None"
             )
         if rows is RowSet.TOKENS:
             return self.batch_info.rows

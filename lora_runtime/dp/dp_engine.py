@@ -1,0 +1,140 @@
+"""``DPEngine``: one rank's serving loop under data-parallel attention. Every rank steps in
+lockstep: it schedules its own share (a batch, or nothing: an idle forward), all ranks agree
+on the step (``agreement``), then each runs the agreed forward (the same graph bucket and
+variant on every rank, or eager with the same rows per rank), its MLP serving every rank's
+rows. Adapter residency agrees because every rank loads, pins and unloads the same adapters
+in the same order and acquires the same union of adapters each step; admission keeps that
+union within the slots by sharing the free slots among the ranks, a few per step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lora_runtime.dp.agreement import (
+    NO_GRAPH,
+    RankStep,
+    StepAgreement,
+    agree,
+    confirm,
+    pool_digest,
+)
+from lora_runtime.dp.group import DPGroup
+from lora_runtime.engine.engine import Engine, GraphReplayer
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request
+from lora_runtime.engine.scheduler import ScheduledStep, SchedulerConfig
+
+
+class DPEngine(Engine):
+    def __init__(self, runner: ModelRunner, dp: DPGroup, config: SchedulerConfig | None = None,
+                 graphs=(), *, keep_logits: bool = False, verify: bool = True) -> None:
+        """``verify``: confirm with every rank, before each forward, the rows, bucket and
+        variant it runs (one more small host all-gather): a divergence raises instead of
+        hanging a collective."""
+        super().__init__(runner, config, graphs, keep_logits=keep_logits)
+        if runner.dp is not None and runner.dp.size != dp.size:
+            raise ValueError(f"the model is sharded for {runner.dp.size} ranks, the group has "
+                             f"{dp.size}")
+        self.dp, self.verify = dp, verify
+        self.adapter_ids: dict[str, int] = {}
+        self._next_id = 0
+        self.last: StepAgreement | None = None
+        self._known: set[str] = set()
+        self._steps = 0
+
+    # -- adapters: every rank makes the same calls in the same order -------------------------
+    def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
+        super().load_adapter(name, source, pinned=pinned)
+        self.adapter_ids[name] = self._next_id
+        self._next_id += 1
+
+    def unload_adapter(self, name: str) -> None:
+        super().unload_adapter(name)
+        del self.adapter_ids[name]
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> list[Request]:
+        """Steps until no rank has work (every rank must call it)."""
+        n = 0
+        while max_steps is None or n < max_steps:
+            self.step()
+            n += 1
+            if not self.last.has_work:
+                break
+        return self.finished
+
+    def step(self) -> list[tuple[Request, int]]:
+        start = self.clock()
+        self._share_free_slots()
+        plan = self.scheduler.schedule()
+        batch = None if plan is None else self._build(plan)
+        ag = agree(self.dp, self._rank_step(plan, batch), self.config.max_batch_size,
+                   self.scheduler.num_slots)
+        self.last = ag
+        names = {i: n for n, i in self.adapter_ids.items()}
+        self._known = {names[i] for i in ag.running_adapters if i in names}
+        if ag.mode is ForwardMode.IDLE:
+            if plan is None and self.scheduler.waiting and not self.scheduler.running \
+                    and not ag.has_work:
+                raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
+            return []
+        gathered = GatheredRows(
+            ag.mode, ag.rows_per_rank,
+            tuple(tuple(names.get(a) if a >= 0 else None for a in r.adapters) for r in ag.ranks),
+            tuple(r.lens for r in ag.ranks))
+        if batch is None:
+            batch = ForwardBatch.idle(self.lora, self.runner.device, gathered)
+        else:
+            batch = dataclasses.replace(batch, gathered=gathered)
+        logits, replayed = self._forward_agreed(batch, ag)
+        produced = [] if plan is None else self._sample(plan, logits)
+        self._record(plan or ScheduledStep(ForwardMode.IDLE, [], []), replayed, start)
+        return produced
+
+    def _forward_agreed(self, batch: ForwardBatch,
+                        ag: StepAgreement) -> tuple[torch.Tensor, GraphReplayer | None]:
+        bucket, lora = self._choose(ag)
+        if self.verify:
+            confirm(self.dp, (ag.rows_per_rank, -1 if bucket is None else bucket, int(lora)))
+        if bucket is None:
+            return self.runner.forward_eager(batch), None
+        g = self._graphs_for(ag.mode)
+        variant = "lora" if lora and self.lora is not None else "base"
+        return g.replay(batch, bucket, variant), g
+
+    def _choose(self, ag: StepAgreement) -> tuple[int | None, bool]:
+        """The bucket (None: eager) and variant this rank runs: the agreed ones."""
+        return ag.bucket if ag.use_graph else None, ag.lora
+
+    def _rank_step(self, plan: ScheduledStep | None, batch: ForwardBatch | None) -> RankStep:
+        ids = self.adapter_ids
+        running = sorted(ids[a] for a in self.scheduler.running_adapters())
+        digest = pool_digest(self.lora.pool.owner) if self.lora is not None else 0
+        work = self.scheduler.has_work
+        if plan is None:
+            return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work)
+        g = self._graphs_for(plan.mode)
+        own = None if g is None else g.bucket_for(batch)
+        return RankStep(plan.mode, tuple(-1 if r.adapter is None else ids[r.adapter]
+                                         for r in plan.requests),
+                        tuple(plan.chunks), NO_GRAPH if own is None else own, tuple(running),
+                        digest, work)
+
+    def _graphs_for(self, mode: ForwardMode) -> GraphReplayer | None:
+        return next((g for g in self.graphs if g.mode is mode), None)
+
+    def _share_free_slots(self) -> None:
+        """Each step, the slots no rank's running requests hold (nor pinned adapters) are
+        shared among the ranks, rotating the remainder, so the union of the adapters that all
+        ranks admit stays within the slots."""
+        if self.lora is None:
+            return
+        known = self._known | set(self.lora.pool.pinned)
+        free = max(0, self.scheduler.num_slots - len(known))
+        turn = (self.dp.rank - self._steps) % self.dp.size
+        self._steps += 1
+        quota = free // self.dp.size + (1 if turn < free % self.dp.size else 0)
+        self.scheduler.adapter_quota = (known, quota)
