@@ -55,14 +55,17 @@ def workload(seed: int, n: int) -> list[tuple[list[int], str | None, int]]:
 
 def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
     """Serves this rank's share of the workload; saves its requests' tokens and logits."""
-    device = torch.device("cpu")
+    device = torch.device(f"cuda:{rank}" if opts.get("cuda") else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if opts.get("cuda") else torch.float32
     dp = init_dp(device)
-    model = LlamaForCausalLM.random(CONFIG, torch.float32, device, seed=0)
+    model = LlamaForCausalLM.random(CONFIG, dtype, device, seed=0)
     if size > 1:
         shard_mlp(model, dp)
     lora = LoRAManager(model, LoRAConfig(SLOTS, MAX_RANK, ALL_TARGETS, opts.get("backend",
                                                                                  "torch")))
-    runner = ModelRunner(model, KVCache(CONFIG, 400, torch.float32, device), lora)
+    runner = ModelRunner(model, KVCache(CONFIG, 400, dtype, device), lora)
     graphs = []
     if opts.get("graphs"):
         graphs = [GraphRunner.decode(runner, DECODE_BUCKETS, 48).capture(),
@@ -70,7 +73,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
     eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16), graphs,
                    keep_logits=True)
     for ad in adapters():
-        eng.load_adapter(ad.name, ad)
+        eng.load_adapter(ad.name, ad.to(dtype))
     if rank == opts.get("die_rank", -1):
         eng.add_request([1, 2, 3], None, max_new_tokens=4)
         eng.step()
@@ -89,7 +92,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
                                                      f"after {time.perf_counter() - t0:.1f}s")
         raise
     result = {
-        "requests": {i: (r.output, [row.clone() for row in eng.logits[r.id]])
+        "requests": {i: (r.output, [row.float().cpu() for row in eng.logits[r.id]])
                      for i, r in mine.items()},
         "modes": [s.mode for s in eng.timeline],
         "graph_steps": sum(s.graph for s in eng.timeline),
@@ -97,4 +100,13 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
     }
     torch.save(result, Path(out_dir, f"rank{rank}.pt"))
     graphs.clear()
+    eng.graphs.clear()  # captured collectives must be released before leaving the group
+    del eng
     shutdown(device)
+
+
+if __name__ == "__main__":  # one rank as its own process: python tests/dp_world.py SIZE OPTS DIR
+    import json
+    import sys
+
+    serve_rank(int(os.environ["RANK"]), int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])

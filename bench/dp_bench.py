@@ -1,0 +1,189 @@
+"""DP scenario: the serving engine under data-parallel attention, one process a GPU (gloo
+processes on a CPU). Per case (DP size, balanced or skewed load, with or without LoRA): an
+offline workload served to completion after a warm-up, giving output tokens/s, the step
+times of rank 0, each rank's share of step time spent in idle forwards, and what one idle
+forward costs (the agreed smallest decode bucket replayed with no local rows, LoRA variant
+and base variant, in lockstep on every rank).
+
+    python -m bench.dp_bench --sizes 1 2 --layers 4 --out results/runs/dp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.results import make_row
+from bench.scenarios import DPCase
+from bench.timing import Timing
+from graphs import GraphRunner
+from lora_runtime.dp.controller import DPController
+from lora_runtime.dp.dp_engine import DPEngine
+from lora_runtime.dp.group import init_dp, shutdown
+from lora_runtime.dp.launch import spawn
+from lora_runtime.dp.shard import shard_mlp
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.scheduler import SchedulerConfig
+from lora_runtime.engine.workload import WorkloadSpec, make_workload
+from lora_runtime.lora.adapters import random_adapter
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.manager import LoRAManager
+from lora_runtime.model.config import PRESETS
+from lora_runtime.model.llama import LlamaForCausalLM
+
+LOADS = {"balanced": ("round_robin", 0.0), "skewed": ("skewed", 0.85)}
+
+
+def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dp = init_dp(device)
+    config = PRESETS[opts["preset"]](opts["layers"])
+    rows = []
+    for adapters in opts["adapters"]:
+        for load in opts["loads"]:
+            rows.append(_case(rank, size, dp, config, device, dtype, adapters, load, opts))
+            if cuda:
+                torch.cuda.empty_cache()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    shutdown(device)
+
+
+def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
+    model = LlamaForCausalLM.random(config, dtype, device, seed=0)
+    if size > 1:
+        shard_mlp(model, dp)
+    r = opts["rank"]
+    lora = None
+    if adapters:
+        lora = LoRAManager(model, LoRAConfig(max(adapters, 1), r,
+                                             backend="triton" if device.type == "cuda"
+                                             else "torch"))
+    bs = opts["max_batch"]
+    spec = WorkloadSpec(opts["requests"], opts["prompt"], opts["output"],
+                        popularity="uniform" if adapters else "none",
+                        num_adapters=max(adapters, 1), seed=1)
+    kv = KVCache(config, bs * (opts["prompt"] + opts["output"]) + 64, dtype, device)
+    runner = ModelRunner(model, kv, lora)
+    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= bs]
+    graphs = [GraphRunner.decode(runner, buckets, opts["prompt"] + opts["output"] + 8).capture()]
+    eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=bs, max_step_tokens=2048), graphs)
+    for name in spec.adapter_names if adapters else []:
+        eng.load_adapter(name, random_adapter(config, name, r, seed=int(name.rsplit("-", 1)[1]),
+                                              dtype=dtype))
+    policy, share = LOADS[load]
+    for warm in (True, False):
+        ctrl = DPController(size, policy, share, seed=2)
+        n = max(2 * size, 4) if warm else opts["requests"]
+        for w in make_workload(spec, config.vocab_size)[:n]:
+            if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
+                eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
+        first = len(eng.timeline)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    steps = eng.timeline[first:]
+    tokens = torch.tensor([sum(len(r.output) for r in eng.finished[-opts["requests"]:])],
+                          dtype=torch.int64)
+    shares = torch.tensor([_idle_share(steps)], dtype=torch.float64)
+    torch.distributed.all_reduce(tokens, group=dp.cpu_group)
+    all_shares = [torch.zeros(1, dtype=torch.float64) for _ in range(size)]
+    torch.distributed.all_gather(all_shares, shares, group=dp.cpu_group)
+    idle_lora, idle_base = (_idle_forward_us(eng, graphs[0], v, dp, device)
+                            for v in ("lora", "base"))
+    graphs.clear()
+    eng.graphs.clear()  # captured collectives must be released before leaving the group
+    case = DPCase(opts["preset"], opts["layers"], str(dtype).removeprefix("torch."), size, load,
+                  adapters, str(r) if adapters else "-")
+    per_rank = [float(s) for s in all_shares]
+    derived = {
+        "output_tokens_per_s": int(tokens) / wall, "requests_per_s": opts["requests"] / wall,
+        "output_tokens": int(tokens), "duration_s": wall, "steps": len(steps),
+        "idle_share": sum(per_rank) / size, "idle_share_per_rank": per_rank,
+        "idle_forward_us": idle_lora if adapters else idle_base,
+        "idle_forward_lora_us": idle_lora if adapters else None, "idle_forward_base_us": idle_base,
+        "ranks_run_on": min(size, max(torch.cuda.device_count(), 1)) if device.type == "cuda"
+        else 0,
+    }
+    timing = Timing([s.seconds * 1e6 for s in steps], "wall") if steps else None
+    verification = {"status": "verified" if int(tokens) == sum(
+        w.max_new_tokens for w in make_workload(spec, config.vocab_size)) else "failed",
+        "error": None, "checked": "every request produced max_new_tokens tokens"}
+    row = make_row(case, "gpu" if device.type == "cuda" else "cpu", {}, timing=timing,
+                   derived=derived, verification=verification)
+    if rank == 0:
+        print(f"[dp] size={size} {load:8} adapters={adapters:2} "
+              f"{derived['output_tokens_per_s']:9.1f} tok/s  idle share per rank "
+              f"{[round(s, 3) for s in per_rank]}  idle forward lora/base "
+              f"{idle_lora:.1f}/{idle_base:.1f} us", flush=True)
+    return row
+
+
+def _idle_share(steps) -> float:
+    total = sum(s.seconds for s in steps)
+    return sum(s.seconds for s in steps if s.mode == "idle") / total if total else 0.0
+
+
+def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> float:
+    """Every rank replays the smallest decode bucket with no local rows (an all-idle step's
+    forward), the agreed variant; median time per forward (ms on the device clock)."""
+    bucket = graph.buffers.buckets[0]
+    if variant == "lora" and eng.lora is None:
+        return float("nan")
+    gathered = GatheredRows(ForwardMode.DECODE, bucket, ((),) * dp.size, ((),) * dp.size)
+    batch = ForwardBatch.idle(eng.lora, device, gathered)
+    samples = []
+    for i in range(reps + 5):
+        t0 = time.perf_counter()
+        graph.replay(batch, bucket, variant)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 5:
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.dp_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--adapters", type=int, nargs="+", default=[0, 4])
+    p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--out", type=Path, required=True, help="JSON list of result rows")
+    args = p.parse_args(argv)
+    opts = {k: getattr(args, k) for k in ("preset", "layers", "adapters", "loads", "rank",
+                                          "requests", "prompt", "output", "max_batch")}
+    rows = []
+    for size in args.sizes:
+        part = args.out.with_suffix(f".dp{size}.json")
+        spawn(run_rank, size, size, opts, str(part), timeout_s=args.timeout)
+        rows += json.loads(part.read_text())
+    args.out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
