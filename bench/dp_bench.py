@@ -82,10 +82,9 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
         eng.load_adapter(name, random_adapter(config, name, r, seed=int(name.rsplit("-", 1)[1]),
                                               dtype=dtype))
     policy, share = LOADS[load]
-    for warm in (True, False):
+    for _pass in ("warm-up", "timed"):
         ctrl = DPController(size, policy, share, seed=2)
-        n = max(2 * size, 4) if warm else opts["requests"]
-        for w in make_workload(spec, config.vocab_size)[:n]:
+        for w in make_workload(spec, config.vocab_size):  # the warm-up serves it once too
             if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
                 eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
         first = len(eng.timeline)

@@ -98,8 +98,12 @@ def compare_with_alone(got, want, output, dtype, what: str) -> int:
     tol = TOL[dtype]
     compared = 0
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol,
-                                   msg=lambda m, k=k: f"{what} token {k}: {m}")
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol,
+                                       msg=lambda m, k=k: f"{what} token {k}: {m}")
+        else:  # bf16: another batch shape sums in another order; judge the whole row
+            rel = float((g.float() - w.float()).norm() / w.float().norm())
+            assert rel < tol, f"{what} token {k}: relative error {rel:.3g} >= {tol}"
         top2 = w.topk(2).values
         if float(top2[0] - top2[1]) > MARGIN[dtype]:
             assert output[k] == int(w.argmax()), f"{what} token {k}"

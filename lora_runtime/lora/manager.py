@@ -69,8 +69,11 @@ class LoRAManager:
         # Under DP every rank acquires the same union in the same order, so slots agree.
         self._acquire({n for n in everyone if n is not None})
         slots = [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
-        if batch.mode is ForwardMode.IDLE:
-            rows = logits = plan_segments([], None, block_m=LOGITS_BLOCK_M)
+        if batch.mode is ForwardMode.IDLE:  # under DP: no local rows, in the step's layout
+            step_mode = ForwardMode.DECODE if g is None else g.mode
+            rows = plan_segments([], None, block_m=DECODE_BLOCK_M
+                                 if step_mode is ForwardMode.DECODE else EXTEND_BLOCK_M)
+            logits = plan_segments([], None, block_m=LOGITS_BLOCK_M)
         elif batch.mode is ForwardMode.DECODE:
             rows = plan_segments(slots, None, block_m=DECODE_BLOCK_M, skip_slot=self.neutral_slot)
             # One row per request already: the lm_head pass has the same layout.
