@@ -15,8 +15,8 @@ from lora_runtime.model.config import tiny
 
 DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4, 8], [8, 16, 32]
 MAX_CONTEXT, MAX_PREFILL_REQUESTS, MAX_PREFIX = 48, 4, 96
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 
 
 class EngineWorld:
