@@ -192,6 +192,7 @@ def run_attention_case(case: AttentionCase, device: torch.device, dtype: torch.d
     return row | _stats(t) | {
         "rel_err": err, "copies": copies, "bytes_floor": bytes_floor, "flops": case.flops(),
         "floor_us": floor_us, "x_floor": t.median_us / floor_us,
+        "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops,
         "gbps": bytes_floor / (t.median_us * 1e3),
     }
 
