@@ -27,6 +27,10 @@ TESTS = [
     "tests/test_graph_schedules.py::test_every_replay_matches_eager[torch]",
     "tests/test_graph_schedules.py::test_every_replay_matches_eager[triton]",
 ]
+BLOCK_TESTS = ("tests/test_graph_blocks.py", "tests/test_slot_reuse.py",
+               "tests/test_prefill_prefix_graphs.py")
+DP_TESTS = ("tests/test_dp.py::test_dp_logits_equal_the_dp1_reference[2-skewed-False]",
+            "tests/test_dp.py::test_dp_logits_equal_the_dp1_reference[2-least_loaded-True]")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Mutant:
     breaks: str
     path: str
     edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...] = ()
+    """The tests that must catch it (default: ``TESTS``)."""
 
 
 MUTANTS = [
@@ -44,7 +50,7 @@ MUTANTS = [
              "        if False:\n            lora_manager.reset_lora_batch()"),)),
     Mutant("gate_on_set_lora", "layers gate on set_lora instead of lora_active",
            "lora_runtime/lora/layers.py",
-           (("return self.set_lora and self.backend.batch_info is not None",
+           (("return self.set_lora and self.backend.layout_ready(self.rows)",
              "return self.set_lora"),)),
     Mutant("reset_forgets_lm_head_pass", "reset clears batch_info but not the derived lm_head pass",
            "lora_runtime/lora/backends/base.py",
@@ -106,14 +112,55 @@ MUTANTS = [
     Mutant("runners_share_lora_buffers",
            "graph runners share one set of static LoRA buffers",
            "lora_runtime/lora/backends/base.py",
-           (("        slots = self.num_slots + 1\n        return LoRAGraphBuffers(",
-             "        slots = self.num_slots + 1\n"
+           (("        return LoRAGraphBuffers(\n",
              "        if getattr(self, '_shared', None) is not None:\n"
              "            return self._shared\n"
-             "        self._shared = LoRAGraphBuffers("),
-            ("                                self.device),\n        )\n",
-             "                                self.device),\n        )\n"
-             "        return self._shared\n"))),
+             "        self._shared = LoRAGraphBuffers(\n"),
+            ("            layout(dp_size * max_rows, block_m) if dp_size > 1 else None,\n"
+             "        )\n",
+             "            layout(dp_size * max_rows, block_m) if dp_size > 1 else None,\n"
+             "        )\n        return self._shared\n"))),
+    Mutant("view_offsets_from_bucket_table",
+           "a bucket's view of the block tables starts at offsets of its own table size",
+           "kernels/segments.py",
+           (("offsets += [offsets[2] + k * self.blocks_for(self.max_rows) for k in (1, 2)]",
+             "offsets += [offsets[2] + k * nb for k in (1, 2)]"),), BLOCK_TESTS),
+    Mutant("slot_reuse_keeps_old_scalings",
+           "an adapter loaded into an evicted slot keeps the evicted adapter's scalings",
+           "lora_runtime/lora/manager.py",
+           (("                w.scalings[slot, s] = 0.0 if m is None else m.scaling",
+             "                if float(w.scalings[slot, s]) == 0.0:\n"
+             "                    w.scalings[slot, s] = 0.0 if m is None else m.scaling"),),
+           BLOCK_TESTS),
+    Mutant("idle_rank_keeps_local_metadata",
+           "DP: a rank without local adapters (an idle one) keeps the previous local metadata",
+           "lora_runtime/lora/backends/base.py",
+           (("        info = logits = None\n",
+             "        info, logits = self.batch_info, self.logits_info\n"),), DP_TESTS),
+    Mutant("gathered_layers_read_local_metadata",
+           "DP: the MLP's LoRA reads the rank-local layout instead of the gathered one",
+           "lora_runtime/lora/backends/base.py",
+           (("        self.gathered_info = gathered if gathered is not None else (",
+             "        self.gathered_info = None if info is None else info.rows\n"
+             "        _ = gathered if gathered is not None else ("),), DP_TESTS),
+    Mutant("variant_chosen_rank_locally",
+           "DP: each rank picks the graph variant from its own requests' adapters",
+           "lora_runtime/dp/dp_engine.py",
+           (("        return ag.bucket if ag.use_graph else None, ag.lora",
+             "        return ag.bucket if ag.use_graph else None, bool("
+             "self.scheduler.running_adapters())"),), DP_TESTS),
+    Mutant("bucket_chosen_rank_locally",
+           "DP: each rank replays the bucket its own batch fits (must raise, not hang)",
+           "lora_runtime/dp/dp_engine.py",
+           (("        return ag.bucket if ag.use_graph else None, ag.lora",
+             "        own = ag.ranks[self.dp.rank].bucket\n"
+             "        return (max(own, 1) if ag.use_graph else None), ag.lora"),), DP_TESTS),
+    Mutant("row_parallel_lora_counted_per_rank",
+           "DP: the row-parallel down_proj LoRA term is counted once per rank by the reduce",
+           "lora_runtime/lora/manager.py",
+           (("            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], m.b",
+             "            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], "
+             "m.b * self.dp.size"),), DP_TESTS),
 ]
 
 
@@ -140,13 +187,15 @@ def _apply(tree: Path, m: Mutant) -> None:
     f.write_text(text)
 
 
-def _run(tree: Path, scale: float, timeout: int) -> tuple[int, str, float]:
+def _run(tree: Path, scale: float, timeout: int,
+         tests: tuple[str, ...] = ()) -> tuple[int, str, float]:
     env = dict(os.environ, SCHEDULE_SCALE=str(scale), SCHEDULE_NO_SHRINK="1",
                PYTHONDONTWRITEBYTECODE="1")
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                            *TESTS], cwd=tree, env=env, capture_output=True, text=True,
+                            *(tests or TESTS)], cwd=tree, env=env, capture_output=True,
+                           text=True,
                            timeout=timeout)
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
@@ -177,7 +226,8 @@ def main(argv=None) -> int:
         _copy_tree(base)
         print(f"baseline: the stale-state tests on the unmutated tree (schedule scale "
               f"{args.scale}) ...", flush=True)
-        rc, out, dt = _run(base, args.scale, args.timeout)
+        every = tuple(TESTS) + tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        rc, out, dt = _run(base, args.scale, args.timeout, every)
         if rc != 0:
             print(out[-3000:])
             print(f"baseline: the unmutated tree fails its own tests (rc={rc}); fix that first")
@@ -189,7 +239,7 @@ def main(argv=None) -> int:
             tree = Path(tmp) / m.name
             _copy_tree(tree)
             _apply(tree, m)
-            rc, out, dt = _run(tree, args.scale, args.timeout)
+            rc, out, dt = _run(tree, args.scale, args.timeout, m.tests)
             ok = rc == 1
             killed += ok
             verdict = f"killed by {_first_failure(out)}" if ok else f"SURVIVED (rc={rc})"
