@@ -27,7 +27,7 @@ from lora_runtime.model.llama import LlamaForCausalLM
 
 CONFIG = tiny(2)
 SLOTS, MAX_RANK = 3, 8
-DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4], [16, 32]
+DECODE_BUCKETS, PREFILL_BUCKETS = [1, 4], [32]
 
 
 def adapters(n: int = 4):

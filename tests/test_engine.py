@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lora_runtime.engine.scheduler import SchedulerConfig
 
-EXAMPLES = {"torch": 12 if not ON_GPU else 25, "triton": 2 if not ON_GPU else 10}
+EXAMPLES = {"torch": 8 if not ON_GPU else 25, "triton": 2 if not ON_GPU else 10}
 
 
 @pytest.fixture(scope="module", params=["eager", "graphs"])
