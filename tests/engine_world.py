@@ -28,7 +28,9 @@ class EngineWorld:
                                    slots=slots, max_rank=8, targets=ALL_TARGETS,
                                    kv_tokens=kv_tokens)
         self.lora = self.runner.lora
-        self.ref = make_runtime(self.config, dtype=dtype, device=device, backend="torch",
+        # bf16: the same kernels alone (Triton and torch bf16 round differently)
+        ref_backend = "torch" if dtype == torch.float32 else backend
+        self.ref = make_runtime(self.config, dtype=dtype, device=device, backend=ref_backend,
                                 slots=1, max_rank=8, targets=ALL_TARGETS, kv_tokens=256)
         self.graphs = []
         if graphs:
