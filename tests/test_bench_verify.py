@@ -1,0 +1,53 @@
+"""A model benchmark case is verified before it is timed: a graph step that differs from the
+eager forward, or static LoRA buffers that are not neutral past the batch, make the case
+"failed" with the error, and nothing of it is timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.context import Context
+from bench.hardware import Ceilings
+from bench.model_bench import ModelCase, RuntimeCache, run_case
+from bench.model_runtime import BenchRuntime
+
+CPU = torch.device("cpu")
+CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=2, profile="cpu")
+
+
+def _cases():
+    return [ModelCase("decode", "tiny", 2, 16, bs, 2, (8,), "torch", torch.float32)
+            for bs in (1, 4)]
+
+
+def _wrong_logits(self, batch):
+    return BenchRuntime.graphs_step(self, batch) + 1.0
+
+
+def _stale_padding(self, batch):
+    out = BenchRuntime.graphs_step(self, batch)
+    full = self.graphs.lora_buffers.tokens.view(self.graphs.lora_buffers.tokens.max_rows)
+    full.token_slots[batch.num_tokens:] = 0  # a real adapter's slot on padding rows
+    return out
+
+
+@pytest.mark.parametrize("fault, message", [(_wrong_logits, "differs from the eager"),
+                                            (_stale_padding, "neutral slot")])
+def test_a_case_failing_verification_is_failed_and_not_timed(monkeypatch, fault, message):
+    monkeypatch.setattr(BenchRuntime, "graphs_step", BenchRuntime.step, raising=False)
+    monkeypatch.setattr(BenchRuntime, "step", fault)
+    cases = _cases()
+    rows = run_case(cases[0], CTX, RuntimeCache(cases, CPU))
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["verification"]["status"] == "failed" and message in row["verification"]["error"]
+    assert row["stats"] is None and row["samples_us"] == []
+
+
+def test_a_verified_case_times_every_traffic_and_path():
+    cases = _cases()
+    rows = run_case(cases[0], CTX, RuntimeCache(cases, CPU))
+    assert {(r["traffic"], r["path"]) for r in rows} == {
+        (t, p) for t in ("base", "lora") for p in ("eager", "graph", "replay_only")}
+    assert all(r["verification"]["status"] == "verified" and r["stats"]["n"] == 2 for r in rows)
