@@ -6,12 +6,14 @@ forward costs (the agreed smallest decode bucket replayed with no local rows, Lo
 and base variant, in lockstep on every rank).
 
     python -m bench.dp_bench --sizes 1 2 --layers 4 --out results/runs/dp.json
+    torchrun --nproc-per-node 2 -m bench.dp_bench --out dp.json   # the ranks started by torchrun
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -87,7 +89,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
         for w in make_workload(spec, config.vocab_size):  # the warm-up serves it once too
             if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
                 eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
-        first = len(eng.timeline)
+        first, done = len(eng.timeline), len(eng.finished)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -96,8 +98,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     steps = eng.timeline[first:]
-    tokens = torch.tensor([sum(len(r.output) for r in eng.finished[-opts["requests"]:])],
-                          dtype=torch.int64)
+    tokens = torch.tensor([sum(len(r.output) for r in eng.finished[done:])], dtype=torch.int64)
     shares = torch.tensor([_idle_share(steps)], dtype=torch.float64)
     torch.distributed.all_reduce(tokens, group=dp.cpu_group)
     all_shares = [torch.zeros(1, dtype=torch.float64) for _ in range(size)]
@@ -174,6 +175,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     opts = {k: getattr(args, k) for k in ("preset", "layers", "adapters", "loads", "rank",
                                           "requests", "prompt", "output", "max_batch")}
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
+        size = int(os.environ["WORLD_SIZE"])
+        part = args.out.with_suffix(f".dp{size}.json")
+        run_rank(int(os.environ["RANK"]), size, opts, str(part))
+        if int(os.environ["RANK"]) == 0:
+            part.replace(args.out)
+            print(f"wrote {args.out}")
+        return 0
     rows = []
     for size in args.sizes:
         part = args.out.with_suffix(f".dp{size}.json")

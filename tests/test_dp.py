@@ -112,3 +112,22 @@ def test_dp2_nccl_cuda_graphs_bf16(policy, tmp_path, capsys):
     with capsys.disabled():
         print(f"\n[dp gpu] size=2 policy={policy} {stats}")
     assert all(g > 0 for g in stats["graph_steps"])
+
+
+def test_torchrun_launches_the_dp_benchmark(tmp_path):
+    """The same rank code under torchrun (2 gloo processes, a tiny model): rows come back."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this python")
+    out = tmp_path / "dp.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "-m", "bench.dp_bench", "--preset", "tiny",
+                        "--layers", "1", "--adapters", "2", "--loads", "skewed", "--requests",
+                        "6", "--prompt", "6", "--output", "3", "--max-batch", "4",
+                        "--timeout", "30", "--out", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    [row] = json.loads(out.read_text())
+    assert row["dp_size"] == 2 and row["verification"]["status"] == "verified"
+    assert len(row["derived"]["idle_share_per_rank"]) == 2
