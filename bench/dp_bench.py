@@ -114,6 +114,9 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
         "output_tokens_per_s": int(tokens) / wall, "requests_per_s": opts["requests"] / wall,
         "output_tokens": int(tokens), "duration_s": wall, "steps": len(steps),
         "idle_share": sum(per_rank) / size, "idle_share_per_rank": per_rank,
+        "graph_steps": sum(st.graph for st in steps),
+        "eager_seconds_share": sum(st.seconds for st in steps if not st.graph)
+        / max(1e-9, sum(st.seconds for st in steps)),
         "idle_forward_us": idle_lora if adapters else idle_base,
         "idle_forward_lora_us": idle_lora if adapters else None, "idle_forward_base_us": idle_base,
         "ranks_run_on": min(size, max(torch.cuda.device_count(), 1)) if device.type == "cuda"

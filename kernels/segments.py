@@ -101,7 +101,22 @@ class SegmentLayout:
         """Exact-size layout for an eager forward (one host-to-device copy)."""
         t, nb = plan.num_rows, len(plan.blocks)
         host = _pack(plan, t, nb, neutral_slot=0)  # exact size: nothing to pad
-        return _views(torch.tensor(host, dtype=torch.int32).to(device), t, nb, plan.block_m)
+        # Each part starts 16-byte aligned: Triton specialises kernels on pointer alignment,
+        # so offsets that moved with the batch's row count compiled new variants mid-serving.
+        sizes = [t, t, nb, nb, nb]
+        aligned, at = [], 0
+        for n in sizes:
+            aligned += host[at : at + n] + [0] * (-n % _ALIGN)
+            at += n
+        buf = torch.tensor(aligned, dtype=torch.int32).to(device)
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + n + (-n % _ALIGN))
+        parts = [buf[o : o + n] for o, n in zip(starts, sizes, strict=True)]
+        return SegmentLayout(*parts, block_m=plan.block_m)
+
+
+_ALIGN = 4  # int32 entries in 16 bytes
 
 
 def _pack(plan: SegmentPlan | None, rows: int, blocks: int, neutral_slot: int) -> list[int]:
@@ -122,12 +137,6 @@ def _pack(plan: SegmentPlan | None, rows: int, blocks: int, neutral_slot: int) -
         + [b[1] for b in table] + [0] * pad
         + [b[2] for b in table] + [0] * pad
     )
-
-
-def _views(buf: torch.Tensor, rows: int, blocks: int, block_m: int) -> SegmentLayout:
-    sizes = [rows, rows, blocks, blocks, blocks]
-    parts = torch.split(buf[: sum(sizes)], sizes)
-    return SegmentLayout(*parts, block_m=block_m)
 
 
 class StaticSegmentLayout:
