@@ -4,8 +4,9 @@ graph with LoRA launches and one without), and replays the smallest bucket that 
 Replay contract (contracts 4-6): every tensor a replay reads is a static buffer refreshed in
 place just before it (the model inputs here, LoRA metadata through the backend's graph
 hooks); padding rows and idle replays leave LoRA neutral; a batch without adapters replays
-the graph without LoRA; an idle batch replays the LoRA graph (its data-parallel peers may
-run adapters) with neutral metadata.
+the graph without LoRA, and so does an idle one (nothing of its own to adapt), except on a
+data-parallel rank, whose MLP serves its peers' rows: the step agreement picks the variant
+there, and the rank's own rows stay neutral.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class GraphRunner:
                              f"(buckets {self.buffers.buckets}, asked {bucket}); check "
                              "can_run() first")
         idle = batch.mode is ForwardMode.IDLE
-        kind = LORA if self.lora is not None and (idle or batch.has_adapters) else BASE
+        peers = idle and self.dp is not None  # an idle DP rank's MLP serves its peers' rows
+        kind = LORA if self.lora is not None and (peers or batch.has_adapters) else BASE
         kind = kind if variant is None else variant
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "

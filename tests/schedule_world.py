@@ -103,7 +103,7 @@ class World:
         idle = ForwardBatch.idle(self.lora, self.device)
         assert self.lora.backend.batch_info is None
         assert self.runner.forward_eager(idle).shape[0] == 0
-        self.decode.replay(idle)
+        self.decode.replay(idle, variant=LORA)  # what an idle DP rank replays
         assert self.decode.last_kind == LORA
         self.assert_neutral_past(self.decode, 0, 0)
         bucket = DECODE_BUCKETS[0]
