@@ -4,13 +4,13 @@ separate reference runtime over identical base weights that runs any request alo
 from __future__ import annotations
 
 import torch
-from runtime_helpers import ALL_TARGETS, make_runtime
+from runtime_helpers import ALL_TARGETS, drawn_adapter, make_runtime
 
 from graphs import GraphRunner
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.engine.scheduler import SchedulerConfig
-from lora_runtime.lora.adapters import LoRAAdapter, random_adapter
+from lora_runtime.lora.adapters import LoRAAdapter
 from lora_runtime.model.config import tiny
 
 DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4, 8], [8, 16, 32]
@@ -51,15 +51,9 @@ class EngineWorld:
         return Engine(self.runner, config, self.graphs, keep_logits=True)
 
     def new_adapter(self, engine: Engine, pinned: bool = False) -> str:
-        seed = self.serial
-        g = torch.Generator().manual_seed(seed)
-        rank = int(torch.randint(1, 9, (1,), generator=g))
-        pick = torch.rand(len(ALL_TARGETS), generator=g) < 0.6
-        targets = [t for t, p in zip(ALL_TARGETS, pick, strict=True) if p] or ["o_proj"]
         name = f"ad{self.serial}"
+        ad = drawn_adapter(self.config, name, self.serial, max_rank=8)
         self.serial += 1
-        ad = random_adapter(self.config, name, rank, targets, seed=seed, b_std=0.3,
-                            use_rslora=bool(seed % 2), alpha=float(rank + seed % 3))
         engine.load_adapter(name, ad, pinned=pinned)
         self.adapters[name] = ad
         return name

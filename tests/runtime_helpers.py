@@ -9,7 +9,7 @@ import torch
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request, build_extend, release
-from lora_runtime.lora.adapters import LoRAAdapter
+from lora_runtime.lora.adapters import LoRAAdapter, random_adapter
 from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import LlamaConfig
@@ -17,6 +17,16 @@ from lora_runtime.model.llama import LlamaForCausalLM
 from lora_runtime.model.modules import BY_NAME, TARGETS
 
 ALL_TARGETS = tuple(t.name for t in TARGETS)
+
+
+def drawn_adapter(config: LlamaConfig, name: str, seed: int, max_rank: int) -> LoRAAdapter:
+    """A random adapter whose rank, targets, alpha and rsLoRA flag are drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    rank = int(torch.randint(1, max_rank + 1, (1,), generator=g))
+    pick = torch.rand(len(ALL_TARGETS), generator=g) < 0.6
+    targets = [t for t, p in zip(ALL_TARGETS, pick, strict=True) if p] or ["o_proj"]
+    return random_adapter(config, name, rank, targets, seed=seed, b_std=0.3,
+                          use_rslora=bool(seed % 2), alpha=float(rank + seed % 3))
 
 
 def make_runtime(config: LlamaConfig, *, dtype, device, backend="torch", slots=4, max_rank=16,

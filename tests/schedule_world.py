@@ -4,12 +4,17 @@ graph runners over the same weights and KV cache, and the checks every replay mu
 from __future__ import annotations
 
 import torch
-from runtime_helpers import ALL_TARGETS, make_runtime, merged_model, reference_logits
+from runtime_helpers import (
+    ALL_TARGETS,
+    drawn_adapter,
+    make_runtime,
+    merged_model,
+    reference_logits,
+)
 
 from graphs import GraphRunner
 from graphs.runner import BASE, LORA
 from lora_runtime.engine.forward_batch import ForwardBatch
-from lora_runtime.lora.adapters import random_adapter
 from lora_runtime.model.config import tiny
 
 DECODE_BUCKETS, PREFILL_BUCKETS = [1, 2, 4, 8], [8, 16, 32]
@@ -47,15 +52,10 @@ class World:
             self.new_adapter(seed=self.serial)
 
     def new_adapter(self, seed: int, pinned: bool = False) -> str:
-        g = torch.Generator().manual_seed(seed)
-        rank = int(torch.randint(1, MAX_RANK + 1, (1,), generator=g))
-        pick = torch.rand(len(ALL_TARGETS), generator=g) < 0.6
-        targets = [t for t, p in zip(ALL_TARGETS, pick, strict=True) if p] or ["o_proj"]
         name = f"ad{self.serial}"
         self.serial += 1
-        ad = random_adapter(self.config, name, rank, targets, seed=seed, b_std=0.3,
-                            use_rslora=bool(seed % 2), alpha=float(rank + seed % 3))
-        self.lora.load_adapter(name, ad, pinned=pinned)
+        self.lora.load_adapter(name, drawn_adapter(self.config, name, seed, MAX_RANK),
+                               pinned=pinned)
         return name
 
     def check_oracle(self, tokens: list[int], adapter: str | None, logits: torch.Tensor) -> None:
