@@ -154,6 +154,10 @@ class StaticSegmentLayout:
         self.block_m, self.neutral_slot = block_m, neutral_slot
         cap = max_blocks(max_rows, block_m, num_slots)
         self._buf = torch.zeros(2 * max_rows + 3 * cap, dtype=torch.int32, device=device)
+        # Host side of the refresh: pinned, so the copy is one asynchronous DMA.
+        self._staging = torch.zeros(self._buf.shape, dtype=torch.int32,
+                                    pin_memory=self._buf.is_cuda)
+        self._copied = torch.cuda.Event() if self._buf.is_cuda else None
         self.write(None, max_rows)
 
     def blocks_for(self, rows: int) -> int:
@@ -180,7 +184,13 @@ class StaticSegmentLayout:
             )
         cap_rows, cap_blocks = self.max_rows, self.blocks_for(self.max_rows)
         host = _pack(plan, cap_rows, cap_blocks, self.neutral_slot)
-        self._buf.copy_(torch.tensor(host, dtype=torch.int32), non_blocking=False)
+        if self._copied is not None:
+            # Hazard: the last asynchronous copy may still be reading the staging buffer.
+            self._copied.synchronize()
+        self._staging.numpy()[:] = host
+        self._buf.copy_(self._staging, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _check_rows(self, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:
