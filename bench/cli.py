@@ -31,7 +31,7 @@ from bench.profiles import PROFILES
 from bench.progress import Progress
 from bench.suites import SUITES
 from bench.telemetry import Telemetry
-from graphs.nvtx import nvtx_range
+from lora_runtime.nvtx import nvtx_range
 
 RESULTS = provenance.ROOT / "results"
 

@@ -20,10 +20,10 @@ from bench.context import Context
 from bench.lora_check import lora_delta_fp32, relative_error
 from bench.results import make_row
 from bench.timing import bench_time
-from graphs.nvtx import nvtx_range
 from kernels import LoRAWeights, SegmentLayout, lora_expand, lora_shrink, plan_segments
 from kernels.reference import expand_reference, shrink_reference
 from lora_runtime.model.config import PRESETS, ModuleShape
+from lora_runtime.nvtx import nvtx_range
 
 TORCH_GATHER_LIMIT = 2 * 2**30  # the reference gathers weights per row; beyond this, skip it
 CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}

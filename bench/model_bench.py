@@ -26,7 +26,7 @@ from bench.context import Context
 from bench.model_runtime import BenchRuntime
 from bench.results import make_row
 from bench.timing import bench_time
-from graphs.nvtx import nvtx_range
+from lora_runtime.nvtx import nvtx_range
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 PATHS = ("eager", "graph", "replay_only")

@@ -22,6 +22,7 @@ from graphs.static_batch import DecodeBuffers, PrefillBuffers
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.lora.backends import LoRAGraphBuffers
+from lora_runtime.nvtx import phase
 
 LORA, BASE = "lora", "base"
 
@@ -125,9 +126,11 @@ class GraphRunner:
                              f"but bucket {bucket} holds {self.buffers.rows(bucket)}")
         lora_batch = batch if not idle or batch.gathered is not None else None
         self._set_lora(kind, lora_batch, bucket)  # may raise: before any write
-        self.buffers.write(None if idle else batch, bucket)
+        with phase("buffer refresh"):
+            self.buffers.write(None if idle else batch, bucket)
         self.last_kind, self.last_bucket = kind, bucket
-        out = self.graphs[(kind, bucket)].replay()
+        with phase("replay"):
+            out = self.graphs[(kind, bucket)].replay()
         return out[: batch.batch_size]
 
     def _set_lora(self, kind: str, batch: ForwardBatch | None, bucket: int,

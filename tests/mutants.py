@@ -80,9 +80,9 @@ MUTANTS = [
     Mutant("idle_keeps_previous_slots",
            "an idle replay keeps the previous batch's slots in the static buffers",
            "lora_runtime/lora/manager.py",
-           (("        plan = None if batch is None else self.plan_lora_batch(batch)",
-             "        if batch is None:\n            return\n"
-             "        plan = self.plan_lora_batch(batch)"),)),
+           (("            plan = None if batch is None else self.plan_lora_batch(batch)",
+             "            if batch is None:\n                return\n"
+             "            plan = self.plan_lora_batch(batch)"),)),
     Mutant("base_graph_by_first_request",
            "the no-LoRA graph is chosen when the first request has no adapter",
            "graphs/runner.py",
@@ -93,12 +93,12 @@ MUTANTS = [
     Mutant("metadata_cached_by_adapter_names",
            "replay skips the metadata refresh when the batch names the same adapters",
            "lora_runtime/lora/manager.py",
-           (("        plan = None if batch is None else self.plan_lora_batch(batch)",
-             "        key = None if batch is None else batch.adapter_names\n"
-             "        if key is not None and key == getattr(self, '_last_key', None):\n"
-             "            return\n"
-             "        self._last_key = key\n"
-             "        plan = None if batch is None else self.plan_lora_batch(batch)"),)),
+           (("            plan = None if batch is None else self.plan_lora_batch(batch)",
+             "            key = None if batch is None else batch.adapter_names\n"
+             "            if key is not None and key == getattr(self, '_last_key', None):\n"
+             "                return\n"
+             "            self._last_key = key\n"
+             "            plan = None if batch is None else self.plan_lora_batch(batch)"),)),
     Mutant("padding_rows_keep_cache_slots",
            "decode padding rows keep the previous batch's KV-cache slots",
            "graphs/static_batch.py",

@@ -26,6 +26,7 @@ from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, Gathere
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request
 from lora_runtime.engine.scheduler import ScheduledStep, SchedulerConfig
+from lora_runtime.nvtx import phase
 
 
 class DPEngine(Engine):
@@ -71,8 +72,9 @@ class DPEngine(Engine):
         self._share_free_slots()
         plan = self.scheduler.schedule()
         batch = None if plan is None else self._build(plan)
-        ag = agree(self.dp, self._rank_step(plan, batch), self.config.max_batch_size,
-                   self.scheduler.num_slots)
+        with phase("collective"):
+            ag = agree(self.dp, self._rank_step(plan, batch), self.config.max_batch_size,
+                       self.scheduler.num_slots)
         self.last = ag
         names = {i: n for n, i in self.adapter_ids.items()}
         self._known = {names[i] for i in ag.running_adapters if i in names}
@@ -98,7 +100,9 @@ class DPEngine(Engine):
                         ag: StepAgreement) -> tuple[torch.Tensor, GraphReplayer | None]:
         bucket, lora = self._choose(ag)
         if self.verify:
-            confirm(self.dp, (ag.rows_per_rank, -1 if bucket is None else bucket, int(lora)))
+            with phase("collective"):
+                    confirm(self.dp, (ag.rows_per_rank, -1 if bucket is None else bucket,
+                                  int(lora)))
         if bucket is None:
             return self.runner.forward_eager(batch), None
         g = self._graphs_for(ag.mode)

@@ -23,6 +23,7 @@ from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
 from lora_runtime.model.llama import LlamaForCausalLM
 from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, SLICES, TENSOR_PARALLEL
+from lora_runtime.nvtx import phase
 
 
 class LoRAManager:
@@ -120,8 +121,10 @@ class LoRAManager:
         """Before replaying the LoRA variant: plans ``batch`` (None: idle, all neutral; under
         DP an idle batch with its gathered rows), then refreshes ``buffers`` in place. A
         planning error raises before any buffer is written."""
-        plan = None if batch is None else self.plan_lora_batch(batch)
-        self.backend.prepare_for_replay(buffers, plan, rows, requests)
+        with phase("plan"):
+            plan = None if batch is None else self.plan_lora_batch(batch)
+        with phase("buffer refresh"):
+            self.backend.prepare_for_replay(buffers, plan, rows, requests)
 
     # -- adapters ---------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,

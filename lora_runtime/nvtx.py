@@ -1,6 +1,6 @@
 """Named ranges in one NVTX domain ("multilora") for nsys timelines, and the same names as
 torch-profiler ranges when a torch profiler is recording (the fallback trace of
-``nox -s profile``). Importable from ``graphs/`` and ``bench/`` (torch only, no upward import).
+``nox -s profile``). Importable from every floor above it (torch only).
 
 Phases of a step: ``plan`` (LoRA segment planning on the host), ``buffer refresh`` (copies
 into static buffers), ``replay`` (the graph launch), ``collective`` (DP agreement, gathers).
