@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench import provenance, results
 from bench.results import make_row
 from bench.scenarios import DPCase
 from bench.timing import Timing
@@ -160,6 +161,11 @@ def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> fl
     return sorted(samples)[len(samples) // 2]
 
 
+def _run_record() -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return provenance.collect(device) | {"profile": "gpu" if device.type == "cuda" else "cpu"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dp_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,16 +189,17 @@ def main(argv=None) -> int:
         part = args.out.with_suffix(f".dp{size}.json")
         run_rank(int(os.environ["RANK"]), size, opts, str(part))
         if int(os.environ["RANK"]) == 0:
-            part.replace(args.out)
+            results.upsert(args.out, _run_record(), json.loads(part.read_text()))
+            part.unlink()
             print(f"wrote {args.out}")
         return 0
-    rows = []
+    run = _run_record()
     for size in args.sizes:
         part = args.out.with_suffix(f".dp{size}.json")
         spawn(run_rank, size, size, opts, str(part), timeout_s=args.timeout)
-        rows += json.loads(part.read_text())
-    args.out.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {len(rows)} rows to {args.out}")
+        results.upsert(args.out, run, json.loads(part.read_text()))
+        part.unlink()
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -28,6 +28,9 @@ def _git(*args: str) -> str:
 
 
 def _sha() -> str:
+    # A copy of the tree on another machine may carry a stale .git: the environment wins.
+    if os.environ.get("MULTILORA_GIT_SHA"):
+        return os.environ["MULTILORA_GIT_SHA"]
     sha = _git("rev-parse", "--verify", "HEAD")
     if re.fullmatch(r"[0-9a-f]{40}", sha):
         return sha

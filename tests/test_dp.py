@@ -128,6 +128,6 @@ def test_torchrun_launches_the_dp_benchmark(tmp_path):
                         "--timeout", "30", "--out", str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    [row] = json.loads(out.read_text())
+    [row] = json.loads(out.read_text())["rows"]
     assert row["dp_size"] == 2 and row["verification"]["status"] == "verified"
     assert len(row["derived"]["idle_share_per_rank"]) == 2
