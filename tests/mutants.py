@@ -60,7 +60,7 @@ MUTANTS = [
            "static LoRA metadata is reallocated per replay instead of copied into",
            "kernels/segments.py",
            (("        self._buf.copy_(self._staging, non_blocking=True)",
-             "        self._buf = self._staging.to(self._buf.device)"),)),
+             "        self._buf = self._staging.to(self._buf.device, copy=True)"),)),
     Mutant("grid_from_batch_block_count",
            "the shrink grid is sized by the batch's live block count (a per-batch Python int)",
            "kernels/shrink.py",
