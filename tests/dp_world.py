@@ -96,6 +96,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
                      for i, r in mine.items()},
         "modes": [s.mode for s in eng.timeline],
         "graph_steps": sum(s.graph for s in eng.timeline),
+        "graph_prefill_steps": sum(s.graph and s.mode == "extend" for s in eng.timeline),
         "variants": [s.variant for s in eng.timeline],
     }
     torch.save(result, Path(out_dir, f"rank{rank}.pt"))

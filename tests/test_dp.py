@@ -58,6 +58,7 @@ def _check(results, opts, reference, dtype=torch.float32) -> dict:
     return {"compared": compared,
             "idle_steps": [r["modes"].count("idle") for r in results],
             "graph_steps": [r["graph_steps"] for r in results],
+            "graph_prefill_steps": [r["graph_prefill_steps"] for r in results],
             "base_variant_steps": [r["variants"].count("base") for r in results]}
 
 
@@ -74,6 +75,7 @@ def test_dp_logits_equal_the_dp1_reference(size, policy, graphs, tmp_path, refer
         assert sum(stats["idle_steps"]) > 0, "the workload must make some rank idle"
     if graphs:
         assert all(g > 0 for g in stats["graph_steps"]), "every rank must replay graphs"
+        assert all(g > 0 for g in stats["graph_prefill_steps"]), "prefill graphs run under DP"
 
 
 def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
