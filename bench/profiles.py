@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import kernel_bench, model_bench
+from bench import kernel_bench, model_bench, throughput_bench
 
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -66,3 +66,15 @@ def model_cases(profile: str) -> list[model_bench.ModelCase]:
                               [(0, ()), (2, (8,)), (2, (4, 8))], "torch", dt)
             + model_bench.cases("prefill", "tiny", 2, 16, (2,), [(0, ()), (2, (4, 8))], "torch",
                                 dt))
+
+
+def throughput_cases(profile: str):
+    if profile == "gpu":
+        return throughput_bench.cases(
+            "llama3-8b", 4, "bfloat16", 256, 64, 64,
+            [(0, "-"), (1, "identical"), (4, "uniform"), (16, "uniform"), (16, "zipf"),
+             (64, "distinct")], 16)
+    if profile == "gpu-quick":
+        return throughput_bench.cases("llama3-8b", 2, "bfloat16", 128, 32, 16,
+                                      [(0, "-"), (4, "uniform")], 16)
+    return throughput_bench.cases("tiny", 1, "float32", 8, 4, 6, [(0, "-"), (2, "uniform")], 8)

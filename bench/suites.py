@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import kernel_bench, model_bench, profiles, table
+from bench import kernel_bench, model_bench, profiles, table, throughput_bench
 from bench.case import Case
 from bench.context import Context
 
@@ -37,4 +37,9 @@ SUITES = {
     "model": Suite("model", "whole-model decode step: eager vs graph, LoRA off/base/LoRA "
                    "traffic, adapters and ranks", profiles.model_cases, _model_start,
                    table.model_table),
+    "throughput": Suite("throughput", "the serving engine on offline workloads: tokens/s, "
+                        "TTFT/TPOT, J/token, LoRA vs base by adapters and popularity",
+                        profiles.throughput_cases,
+                        lambda todo, ctx: throughput_bench.make_runner(ctx),
+                        throughput_bench.table),
 }

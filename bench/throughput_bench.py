@@ -1,0 +1,149 @@
+"""Throughput suite: the serving engine on offline workloads, base model vs LoRA at several
+adapter counts and popularities: output tokens/s, requests/s, TTFT and TPOT (p50, p99),
+joules per token (NVML), LoRA throughput as a % of the base model's on the same workload.
+
+Each case serves its workload twice on one runtime with captured decode graphs: a warm-up
+pass, then the timed pass. Verification: every request produced all its tokens, and the timed
+pass produced exactly the warm-up's tokens (greedy, same schedule: a replay that read stale
+metadata after the slot churn of the first pass would change them)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from bench.context import Context
+from bench.results import make_row
+from bench.scenarios import ThroughputCase
+from graphs import GraphRunner
+from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.scheduler import SchedulerConfig
+from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
+from lora_runtime.lora.adapters import random_adapter
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.manager import LoRAManager
+from lora_runtime.model.config import PRESETS
+from lora_runtime.model.llama import LlamaForCausalLM
+
+
+def cases(preset: str, layers: int, dtype: str, prompt: int, output: int, requests: int,
+          runtimes, rank: int) -> list[ThroughputCase]:
+    """``runtimes``: (adapters, popularity) pairs; (0, "-") is the base model."""
+    wl = f"in{prompt}-out{output}"
+    return [ThroughputCase(preset, layers, dtype, wl, requests, a, pop, str(rank) if a else "-")
+            for a, pop in runtimes]
+
+
+def make_runner(ctx: Context):
+    base: dict[str, float] = {}
+
+    def run(case: ThroughputCase) -> list[dict]:
+        row = run_case(case, ctx)
+        tps = row["derived"]["output_tokens_per_s"]
+        if case.adapters == 0:
+            base[case.workload] = tps
+        elif case.workload in base:
+            row["derived"]["pct_of_base"] = 100 * tps / base[case.workload]
+        return [row]
+
+    return run
+
+
+def run_case(case: ThroughputCase, ctx: Context) -> dict:
+    device = ctx.device
+    dtype = getattr(torch, case.dtype)
+    prompt, output = (int(x) for x in case.workload.removeprefix("in").split("-out"))
+    config = PRESETS[case.preset](case.layers)
+    model = LlamaForCausalLM.random(config, dtype, device, seed=0)
+    spec = WorkloadSpec(case.requests, prompt, output,
+                        popularity=case.popularity if case.adapters else "none",
+                        num_adapters=max(case.adapters, 1), seed=1)
+    lora = None
+    if case.adapters:
+        rank = int(case.ranks)
+        slots = min(len(spec.adapter_names), 16)
+        lora = LoRAManager(model, LoRAConfig(slots, rank, backend="triton" if device.type ==
+                                             "cuda" else "torch"))
+        for i, name in enumerate(spec.adapter_names):
+            lora.load_adapter(name, random_adapter(config, name, rank, seed=i, dtype=dtype))
+    max_batch = min(32, case.requests)
+    kv = KVCache(config, max_batch * (prompt + output) + 64, dtype, device)
+    runner = ModelRunner(model, kv, lora)
+    buckets = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
+    graphs = [GraphRunner.decode(runner, buckets, prompt + output + 8).capture()]
+    workload = make_workload(spec, config.vocab_size)
+    passes = []
+    rec = {}
+    for timed in (False, True):
+        engine = Engine(runner, SchedulerConfig(max_batch_size=max_batch), graphs)
+        if timed:
+            with ctx.telemetry.span() as rec:
+                t0 = engine.clock()
+                reqs = serve(engine, workload)
+                _sync(device)
+                wall = engine.clock() - t0
+        else:
+            reqs = serve(engine, workload)
+        passes.append([list(r.output) for r in reqs])
+    graphs.clear()
+    verification = _verify(passes, workload)
+    tokens = sum(len(o) for o in passes[1])
+    ttft = sorted(r.metrics.ttft for r in reqs)
+    tpot = sorted(r.metrics.tpot for r in reqs if r.metrics.tpot is not None)
+    energy = (rec or {}).get("energy_j")
+    derived = {
+        "output_tokens_per_s": tokens / wall, "requests_per_s": len(reqs) / wall,
+        "output_tokens": tokens, "duration_s": wall,
+        "ttft_p50_ms": 1e3 * _q(ttft, 0.5), "ttft_p99_ms": 1e3 * _q(ttft, 0.99),
+        "tpot_p50_ms": 1e3 * _q(tpot, 0.5) if tpot else None,
+        "tpot_p99_ms": 1e3 * _q(tpot, 0.99) if tpot else None,
+        "joules_per_token": None if energy is None else energy / tokens,
+        "graph_steps": sum(s.graph for s in engine.timeline), "steps": len(engine.timeline),
+    }
+    return make_row(case, ctx.profile, {}, derived=derived, telemetry=rec or None,
+                    verification=verification)
+
+
+def _verify(passes, workload) -> dict:
+    short = [i for i, (o, w) in enumerate(zip(passes[1], workload, strict=True))
+             if len(o) != w.max_new_tokens]
+    if short:
+        return {"status": "failed", "error": f"requests {short[:5]} produced too few tokens"}
+    if passes[0] != passes[1]:
+        diff = [i for i, (a, b) in enumerate(zip(*passes, strict=True)) if a != b]
+        return {"status": "failed",
+                "error": f"the timed pass's tokens differ from the warm-up's for requests "
+                         f"{diff[:5]}"}
+    return {"status": "verified", "error": None,
+            "checks": ["every request produced all its tokens",
+                       "timed pass tokens == warm-up pass tokens"]}
+
+
+def _q(xs: list[float], q: float) -> float:
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[max(0, int(q * 100) - 1)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def table(rows: list[dict]) -> str:
+    from bench.table import fmt, render
+
+    head = ["case", "tokens/s", "% of base", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+            "J/token", "status"]
+    body = []
+    for r in rows:
+        d = r["derived"]
+        body.append([r["label"], fmt(d.get("output_tokens_per_s")), fmt(d.get("pct_of_base")),
+                     fmt(d.get("requests_per_s"), ".2f"),
+                     f"{fmt(d.get('ttft_p50_ms'))} / {fmt(d.get('ttft_p99_ms'))}",
+                     f"{fmt(d.get('tpot_p50_ms'), '.2f')} / {fmt(d.get('tpot_p99_ms'), '.2f')}",
+                     fmt(d.get("joules_per_token"), ".3f"), r["verification"]["status"]])
+    return render(head, body)
