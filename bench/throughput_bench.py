@@ -4,8 +4,10 @@ joules per token (NVML), LoRA throughput as a % of the base model's on the same 
 
 Each case serves its workload twice on one runtime with captured decode graphs: a warm-up
 pass, then the timed pass. Verification: every request produced all its tokens, and the timed
-pass produced exactly the warm-up's tokens (greedy, same schedule: a replay that read stale
-metadata after the slot churn of the first pass would change them)."""
+pass repeats the warm-up's tokens (greedy, same schedule: a replay that read stale metadata
+after the slot churn of the first pass would change them) up to a near-tie: a request may
+diverge only at a token whose top-2 logit margin in the warm-up was within ``TIE`` (the
+split-K shrink adds in fp32 with atomics, so bf16 logits move by an ulp between runs)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
+
+TIE = 0.125
 
 
 def cases(preset: str, layers: int, dtype: str, prompt: int, output: int, requests: int,
@@ -75,10 +79,11 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
     buckets = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
     graphs = [GraphRunner.decode(runner, buckets, prompt + output + 8).capture()]
     workload = make_workload(spec, config.vocab_size)
-    passes = []
+    passes, margins = [], {}
     rec = {}
     for timed in (False, True):
-        engine = Engine(runner, SchedulerConfig(max_batch_size=max_batch), graphs)
+        engine = Engine(runner, SchedulerConfig(max_batch_size=max_batch), graphs,
+                        keep_logits=not timed)
         if timed:
             with ctx.telemetry.span() as rec:
                 t0 = engine.clock()
@@ -87,9 +92,13 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
                 wall = engine.clock() - t0
         else:
             reqs = serve(engine, workload)
+            margins = {i: [float(t[0] - t[1]) for t in
+                           (row.float().topk(2).values for row in engine.logits[r.id])]
+                       for i, r in enumerate(reqs)}
+            engine.logits.clear()
         passes.append([list(r.output) for r in reqs])
     graphs.clear()
-    verification = _verify(passes, workload)
+    verification = _verify(passes, workload, margins)
     tokens = sum(len(o) for o in passes[1])
     ttft = sorted(r.metrics.ttft for r in reqs)
     tpot = sorted(r.metrics.tpot for r in reqs if r.metrics.tpot is not None)
@@ -107,19 +116,26 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
                     verification=verification)
 
 
-def _verify(passes, workload) -> dict:
+def _verify(passes, workload, margins) -> dict:
     short = [i for i, (o, w) in enumerate(zip(passes[1], workload, strict=True))
              if len(o) != w.max_new_tokens]
     if short:
         return {"status": "failed", "error": f"requests {short[:5]} produced too few tokens"}
-    if passes[0] != passes[1]:
-        diff = [i for i, (a, b) in enumerate(zip(*passes, strict=True)) if a != b]
+    diverged, bad = [], []
+    for i, (a, b) in enumerate(zip(*passes, strict=True)):
+        k = next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if k is None:
+            continue
+        diverged.append(i)
+        if margins[i][k] > TIE:
+            bad.append((i, k, round(margins[i][k], 3)))
+    if bad:
         return {"status": "failed",
-                "error": f"the timed pass's tokens differ from the warm-up's for requests "
-                         f"{diff[:5]}"}
-    return {"status": "verified", "error": None,
+                "error": f"(request, token, warm-up margin) {bad[:5]}: the timed pass chose "
+                         f"another token where the warm-up's top-2 margin exceeded {TIE}"}
+    return {"status": "verified", "error": None, "diverged_at_near_ties": len(diverged),
             "checks": ["every request produced all its tokens",
-                       "timed pass tokens == warm-up pass tokens"]}
+                       f"timed pass tokens == warm-up's up to a near-tie (margin <= {TIE})"]}
 
 
 def _q(xs: list[float], q: float) -> float:
