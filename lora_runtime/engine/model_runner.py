@@ -15,8 +15,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, lora: LoRAManager | None) -> None:
         self.model, self.kv, self.lora = model, kv, lora
         self.device = next(model.parameters()).device
-        layers = model.model.layers
-        self.dp = layers[0].mlp.dp if len(layers) else None
+        self.dp = model.dp
         """The data-parallel group when the model's MLP is sharded for DP attention."""
 
     @torch.no_grad()

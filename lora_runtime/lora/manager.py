@@ -37,7 +37,7 @@ class LoRAManager:
         self.pool = SlotPool(config.max_loras_per_batch)
         self.adapters: dict[str, LoRAAdapter] = {}
         self._in_batch: set[str] = set()
-        self.dp = model.model.layers[0].mlp.dp if model.model.layers else None
+        self.dp = model.dp
         """Set when the model's MLP is sharded for DP attention (its LoRA is sharded to match)."""
         self._wrap_modules()
 

@@ -75,6 +75,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def dp(self) -> DPGroup | None:
+        """The DP group when the MLP is sharded for data-parallel attention."""
+        layers = self.model.layers
+        return layers[0].mlp.dp if len(layers) else None
+
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         """Logits (float32) of the rows in ``batch.logits_rows``."""
         hidden = self.model(batch, kv)
