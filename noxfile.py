@@ -1,5 +1,5 @@
 """Sessions: ``tests`` (the CPU suite in CI), ``lint``, ``bench`` (the main job), ``report``,
-``profile``, ``mutants``.
+``profile``, ``mutants``, ``hostbench``.
 
 Every session but ``lint`` runs in one shared environment, ``.nox/shared``, created on first
 use and reinstalled only when ``pyproject.toml`` changes (torch is large: one copy, not one
@@ -84,3 +84,12 @@ def mutants(session: nox.Session) -> None:
     """Fault injection: each protection against stale LoRA metadata, broken one at a time,
     must make the stale-state tests fail. Prints killed/total; fails unless all are killed."""
     session.run(_python(session), "tests/mutants.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def hostbench(session: nox.Session) -> None:
+    """Host-path benchmarks (pytest-benchmark): saves the run under results/runs/host/ and
+    compares it with the previous run of this device, failing past ``--threshold`` (1.5x the
+    median). ``nox -s hostbench -- --baseline results/host-cpu.json -k plan``; ``--publish``
+    writes the committed reference. See ``python -m bench.host --help``."""
+    session.run(_python(session), "-m", "bench.host", *session.posargs)

@@ -1,0 +1,78 @@
+"""Options and fixtures of the host-path benchmarks. ``python -m bench.host`` (``nox -s
+hostbench``) or ``pytest bench/host`` runs them; the test suite never collects this folder
+(``testpaths = ["tests"]``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from bench import provenance
+from bench.host.world import HostShape, HostWorld
+
+
+def pytest_addoption(parser) -> None:
+    g = parser.getgroup("host path", "host-path benchmarks (bench/host)")
+    default = HostShape()
+    g.addoption("--host-batch-sizes", default=",".join(map(str, default.batch_sizes)),
+                help="decode batch sizes, comma-separated (default %(default)s)")
+    g.addoption("--host-adapters", type=int, default=default.adapters,
+                help="adapters, each in its own slot, round-robin over the requests")
+    g.addoption("--host-rank", type=int, default=default.rank)
+    g.addoption("--host-context", type=int, default=default.context,
+                help="tokens each request has cached (default %(default)s)")
+    g.addoption("--host-targets", default=",".join(default.targets),
+                help="LoRA target modules (PEFT names; the host path does not depend on them, "
+                     "the set-up time does)")
+    g.addoption("--host-devices", default="auto",
+                help="cpu, cuda or cpu,cuda (default auto: cpu, and cuda when available)")
+
+
+def host_shape(config) -> HostShape:
+    sizes = tuple(int(s) for s in config.getoption("--host-batch-sizes").split(","))
+    return HostShape(sizes, config.getoption("--host-adapters"), config.getoption("--host-rank"),
+                     config.getoption("--host-context"),
+                     targets=tuple(config.getoption("--host-targets").split(",")))
+
+
+def host_devices(config) -> list[str]:
+    want = config.getoption("--host-devices")
+    if want == "auto":
+        return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = want.split(",")
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise pytest.UsageError("--host-devices names cuda but no CUDA device is available")
+    return devices
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", host_devices(metafunc.config))
+    if "bs" in metafunc.fixturenames:
+        metafunc.parametrize("bs", host_shape(metafunc.config).batch_sizes,
+                             ids=lambda bs: f"bs{bs}")
+
+
+@functools.cache
+def _world(shape: HostShape, device: str) -> HostWorld:
+    return HostWorld(shape, torch.device(device))  # capture is the costly part: once each
+
+
+@pytest.fixture
+def world(request, device: str) -> HostWorld:
+    w = _world(host_shape(request.config), device).reset()
+    yield w
+    w.reset()
+
+
+def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
+    devices = host_devices(config)
+    device = torch.device(devices[-1])
+    run = provenance.collect(device)
+    run.pop("command", None)
+    machine_info["multilora"] = run | {
+        "device_slug": provenance.device_slug(device),  # names the run file
+        "devices": devices, "host_shape": dataclasses.asdict(host_shape(config))}

@@ -1,0 +1,88 @@
+"""The host path of a decode step, piece by piece and whole: what a step waits on before a
+graph replay can launch. Host time only (no device synchronisation: the copies a CUDA step
+queues run behind it). Each benchmark checks the result of what it timed once."""
+
+from __future__ import annotations
+
+from bench.host import checks
+from bench.host.world import HostWorld
+
+STATEFUL_ROUNDS = 200
+"""Rounds of the benchmarks that build a batch (each takes KV slots; a setup, untimed, gives
+them back before the next round)."""
+
+
+def _tag(benchmark, world: HostWorld, bs: int) -> None:
+    s = world.shape
+    benchmark.extra_info.update(device=world.device.type, bs=bs, adapters=s.adapters,
+                                rank=s.rank, context=s.context)
+
+
+def _check_lora_layouts(world: HostWorld, batch, tokens, logits, what: str) -> None:
+    want = world.slots_of(batch)
+    checks.check_device_layout(tokens, want, world.neutral_slot, f"{what} token rows")
+    checks.check_device_layout(logits, want, world.neutral_slot, f"{what} logits rows")
+
+
+def test_build_batch(benchmark, world: HostWorld, bs: int) -> None:
+    """Scheduler step and ``build_decode``: running requests -> a decode ``ForwardBatch``."""
+    _tag(benchmark, world, bs)
+    batch = benchmark.pedantic(world.build_batch, args=(bs,), setup=lambda: world.unbuild(bs),
+                               rounds=STATEFUL_ROUNDS, warmup_rounds=2)
+    checks.check_decode_batch(batch, world.requests(bs))
+
+
+def test_lora_plan(benchmark, world: HostWorld, bs: int) -> None:
+    """``LoRAManager.plan_lora_batch``: slots (all resident) and the segment plans."""
+    _tag(benchmark, world, bs)
+    batch = world.build_batch(bs)
+    plan = benchmark(world.plan, batch)
+    want = world.slots_of(batch)
+    checks.check_plan(plan.rows, want, world.neutral_slot, "plan token rows")
+    checks.check_plan(plan.logits_rows, want, world.neutral_slot, "plan logits rows")
+
+
+def test_lora_prepare_eager(benchmark, world: HostWorld, bs: int) -> None:
+    """``LoRAManager.prepare_lora_batch``: plan and exact-size device metadata (eager step)."""
+    _tag(benchmark, world, bs)
+    batch = world.build_batch(bs)
+    benchmark(world.prepare_eager, batch)
+    _check_lora_layouts(world, batch, *world.eager_layouts(), "eager")
+
+
+def test_lora_buffer_refresh(benchmark, world: HostWorld, bs: int) -> None:
+    """A plan into the graph runner's static LoRA metadata (the LoRA "buffer refresh")."""
+    _tag(benchmark, world, bs)
+    batch = world.build_batch(bs)
+    plan = world.plan(batch)
+    benchmark(world.refresh_lora, plan, bs)
+    _check_lora_layouts(world, batch, *(s.view(s.max_rows) for s in world.static_layouts()),
+                        "static")
+
+
+def test_input_buffer_refresh(benchmark, world: HostWorld, bs: int) -> None:
+    """The batch into the decode graph's static inputs (ids, positions, KV table)."""
+    _tag(benchmark, world, bs)
+    batch = world.build_batch(bs)
+    benchmark(world.refresh_inputs, batch, bs)
+    checks.check_input_buffers(world.input_buffers, batch, bs)
+
+
+def test_graph_step_host(benchmark, world: HostWorld, bs: int) -> None:
+    """One graph decode step minus the replay: schedule, build, plan, both refreshes."""
+    _tag(benchmark, world, bs)
+    world.check_replay_matches_eager(world.build_batch(bs))
+
+    def step():
+        batch = world.build_batch(bs)
+        world.graph_step(batch)
+        return batch
+
+    with world.replays_skipped():
+        batch = benchmark.pedantic(step, setup=lambda: world.unbuild(bs),
+                                   rounds=STATEFUL_ROUNDS, warmup_rounds=2)
+    checks.check_decode_batch(batch, world.requests(bs))
+    _check_lora_layouts(world, batch, *(s.view(s.max_rows) for s in world.static_layouts()),
+                        "static")
+    checks.check_input_buffers(world.input_buffers, batch, bs)
+    assert world.replayed_lora_graph(bs), "the step did not take the LoRA graph of its bucket"
