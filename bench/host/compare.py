@@ -4,9 +4,9 @@ benchmark's median before and now, their ratio, and a regression where it grew p
     python -m bench.host.compare NEW.json [OLD.json] [--threshold 1.5] [--stat median]
 
 Without OLD: the newest earlier run beside NEW of the same device and the same set-up (batch
-sizes, adapters, rank, context, devices; run files are named ``<YYYYmmdd-HHMMSS>-<device>.json``),
-whatever subset of the benchmarks it ran; when there is none, it says so and passes. Exit status:
-0 passed, 1 a regression."""
+sizes, adapters, rank, context, targets, devices, threads), whatever subset of the benchmarks
+it ran; run files are named ``<YYYYmmdd-HHMMSS>-<device>.json``. When there is none, it says
+so and passes. Exit status: 0 passed, 1 a regression."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def read_times(path: Path, stat: str = "median") -> dict[str, float]:
 def setup_of(path: Path) -> tuple:
     """What must match for two runs' times to compare: shapes and devices benchmarked."""
     run = json.loads(Path(path).read_text()).get("machine_info", {}).get("multilora", {})
-    return json.dumps(run.get("host_shape"), sort_keys=True), run.get("devices")
+    return (json.dumps(run.get("host_shape"), sort_keys=True), run.get("devices"),
+            run.get("torch_threads"))
 
 
 def previous_run(new: Path) -> Path | None:

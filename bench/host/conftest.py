@@ -27,8 +27,16 @@ def pytest_addoption(parser) -> None:
     g.addoption("--host-targets", default=",".join(default.targets),
                 help="LoRA target modules (PEFT names; the host path does not depend on them, "
                      "the set-up time does)")
+    g.addoption("--host-threads", type=int, default=1,
+                help="torch intra-op threads (default 1: the host path is one Python thread; "
+                     "on a busy machine a parallel copy waits for a descheduled worker, "
+                     "turning 40 us into milliseconds)")
     g.addoption("--host-devices", default="auto",
                 help="cpu, cuda or cpu,cuda (default auto: cpu, and cuda when available)")
+
+
+def pytest_configure(config) -> None:
+    torch.set_num_threads(config.getoption("--host-threads"))
 
 
 def host_shape(config) -> HostShape:
@@ -75,4 +83,5 @@ def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
     run.pop("command", None)
     machine_info["multilora"] = run | {
         "device_slug": provenance.device_slug(device),  # names the run file
-        "devices": devices, "host_shape": dataclasses.asdict(host_shape(config))}
+        "devices": devices, "host_shape": dataclasses.asdict(host_shape(config)),
+        "torch_threads": torch.get_num_threads()}
