@@ -18,7 +18,7 @@ from graphs import GraphRunner
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request, build_decode
-from lora_runtime.model.attention_ops import use_attention_backend
+from lora_runtime.model.backend import use_base_backend
 from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
 
@@ -41,7 +41,7 @@ def run_base_step(device: torch.device, dtype: torch.dtype, *, preset: str = "ll
     rows = []
     for ctx in contexts:
         for backend in ("torch", "triton"):
-            with use_attention_backend(backend):
+            with use_base_backend(backend):
                 graphs = GraphRunner.decode(runner, list(batch_sizes), ctx + 8).capture()
             for bs in batch_sizes:
                 reqs = [Request([1] * ctx, None, 4) for _ in range(bs)]

@@ -23,11 +23,8 @@ from lora_runtime.engine.forward_batch import DecodeAttention, ExtendAttention, 
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
-from lora_runtime.model.attention_ops import (
-    decode_attention_reference,
-    extend_attention_reference,
-    use_attention_backend,
-)
+from lora_runtime.model.attention_ops import decode_attention_reference, extend_attention_reference
+from lora_runtime.model.backend import use_base_backend
 from lora_runtime.model.config import tiny
 from lora_runtime.model.llama import LlamaForCausalLM
 
@@ -166,7 +163,7 @@ def served():
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     model = LlamaForCausalLM.random(tiny(2), dtype, DEVICE, seed=3)
     runner = ModelRunner(model, KVCache(model.config, 512, dtype, DEVICE), None)
-    with use_attention_backend("triton"):
+    with use_base_backend("triton"):
         decode = GraphRunner.decode(runner, [1, 4], max_context=40).capture()
         prefill = GraphRunner.prefill(runner, [16, 32], max_requests=3, max_prefix=40).capture()
     return runner, decode, prefill, dtype
@@ -176,9 +173,9 @@ def _check(runner: ModelRunner, graph: GraphRunner, batch: ForwardBatch, dtype) 
     """Replay == eager Triton == eager torch reference (same KV writes each time)."""
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     got = graph.replay(batch).clone()
-    with use_attention_backend("triton"):
+    with use_base_backend("triton"):
         eager = runner.forward_eager(batch)
-    with use_attention_backend("torch"):
+    with use_base_backend("torch"):
         ref = runner.forward_eager(batch)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, eager, rtol=tol, atol=tol, msg=lambda m: f"replay: {m}")

@@ -1,7 +1,7 @@
-"""The Llama attention layer: qkv projection, RoPE, K/V written to the token-slot cache, then
-grouped-query attention over the cache (``attention_ops``: Triton kernels or the torch
-reference), then the output projection. No host syncs, no data-dependent Python, so the same
-code runs eagerly and inside graphs."""
+"""The Llama attention layer: qkv projection, RoPE with K/V written to the token-slot cache
+(one fused step), then grouped-query attention over the cache (``attention_ops``: Triton
+kernels or the torch reference), then the output projection. No host syncs, no data-dependent
+Python, so the same code runs eagerly and inside graphs."""
 
 from __future__ import annotations
 
@@ -28,15 +28,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
-        k_cache.index_copy_(0, batch.out_cache_loc, k)
-        v_cache.index_copy_(0, batch.out_cache_loc, v)
+        q = self.rotary.rotate_and_cache(self.qkv_proj(hidden), batch.positions,
+                                         batch.out_cache_loc, k_cache, v_cache, self.num_heads)
         if t == 0:
             out = q
         elif isinstance(batch.attn, DecodeAttention):

@@ -1,15 +1,8 @@
-"""The attention a layer runs over the token-slot KV cache, by backend: the Triton kernels
-(``kernels/decode_attention.py``, ``kernels/extend_attention.py``, the default on a GPU) or the
-torch reference below (the default on a CPU, where Triton runs in its slow interpreter).
-
-The backend is read when a forward runs, so a captured graph keeps the one it was captured
-with. Both are graph-safe: no host syncs, no data-dependent Python.
-"""
+"""The attention a layer runs over the token-slot KV cache, by ``lora_runtime.model.backend``:
+the Triton kernels (``kernels/decode_attention.py``, ``kernels/extend_attention.py``) or the
+torch reference below."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -17,35 +10,12 @@ import torch.nn.functional as F
 from kernels.decode_attention import decode_attention as decode_attention_triton
 from kernels.extend_attention import extend_attention as extend_attention_triton
 from lora_runtime.engine.forward_batch import DecodeAttention, ExtendAttention
-
-BACKENDS = ("triton", "torch")
-_backend = "triton" if torch.cuda.is_available() else "torch"
-
-
-def attention_backend() -> str:
-    return _backend
-
-
-def set_attention_backend(name: str) -> None:
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
-    _backend = name
-
-
-@contextmanager
-def use_attention_backend(name: str) -> Iterator[None]:
-    previous = _backend
-    set_attention_backend(name)
-    try:
-        yield
-    finally:
-        set_attention_backend(previous)
+from lora_runtime.model.backend import base_backend
 
 
 def decode_attention(q, k_cache, v_cache, meta: DecodeAttention, scale: float) -> torch.Tensor:
     """``q [bs, heads, head_dim]`` -> ``[bs, heads, head_dim]``."""
-    if _backend == "triton":
+    if base_backend() == "triton":
         return decode_attention_triton(q, k_cache, v_cache, meta.kv_indices, meta.kv_lens, scale)
     return decode_attention_reference(q, k_cache, v_cache, meta, scale)
 
@@ -53,7 +23,7 @@ def decode_attention(q, k_cache, v_cache, meta: DecodeAttention, scale: float) -
 def extend_attention(q, k_cache, v_cache, meta: ExtendAttention, positions: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """``q [T, heads, head_dim]`` (packed new tokens) -> ``[T, heads, head_dim]``."""
-    if _backend == "triton":
+    if base_backend() == "triton":
         return extend_attention_triton(q, k_cache, v_cache, meta.kv_indices, meta.q_starts,
                                        meta.kv_starts, scale)
     return extend_attention_reference(q, k_cache, v_cache, meta, positions, scale)

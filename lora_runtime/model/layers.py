@@ -1,12 +1,19 @@
-"""Llama building blocks: RMSNorm and rotary embeddings (Hugging Face numerics)."""
+"""Llama building blocks: RMSNorm (fused with the residual add before it), rotary embeddings
+fused with the KV-cache write, SwiGLU's activation. Hugging Face numerics; each runs the Triton
+kernel or the torch reference by ``lora_runtime.model.backend``."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kernels.rms_norm import rms_norm
+from kernels.rope_kv import rope_and_cache_kv
+from kernels.silu_mul import silu_mul as silu_mul_triton
+from lora_runtime.model.backend import base_backend
 from lora_runtime.model.config import LlamaConfig
 
 
@@ -16,10 +23,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if base_backend() == "triton":
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``."""
+    if base_backend() == "triton":
+        return silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
@@ -64,6 +85,19 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def rotate_and_cache(self, qkv, positions, cache_loc, k_cache, v_cache, heads: int):
+        """``qkv [T, (heads + 2 KV) * D]`` -> rotated ``q [T, heads, D]``; rotated k and v
+        written to the caches at ``cache_loc``."""
+        if base_backend() == "triton":
+            return rope_and_cache_kv(qkv, positions, self.cos, self.sin, cache_loc, k_cache,
+                                     v_cache, heads)
+        t, (kv_heads, d) = qkv.shape[0], k_cache.shape[1:]
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, k = self(positions, q.reshape(t, heads, d), k.reshape(t, kv_heads, d))
+        k_cache.index_copy_(0, cache_loc, k)
+        v_cache.index_copy_(0, cache_loc, v.reshape(t, kv_heads, d))
+        return q
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

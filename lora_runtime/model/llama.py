@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lora_runtime.dp.collectives import gather_rows, reduce_scatter_rows
@@ -12,7 +11,7 @@ from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.forward_batch import ForwardBatch
 from lora_runtime.model.attention import LlamaAttention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RMSNorm, RotaryEmbedding
+from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, silu_mul
 
 
 class LlamaMLP(nn.Module):
@@ -32,8 +31,7 @@ class LlamaMLP(nn.Module):
         return reduce_scatter_rows(self._local(rows), self.dp)[: x.shape[0]]
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -44,9 +42,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, batch: ForwardBatch, kv) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch)
+    def forward(self, hidden, residual, batch: ForwardBatch, kv):
+        """``(hidden, residual)`` -> the same pair after this layer. The residual stream is
+        carried unsummed: each norm adds the previous block's output into it (one fused
+        kernel), and the first layer starts it (``residual`` None)."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(x, batch, kv)
+        x, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(x, batch), residual
 
 
 class LlamaModel(nn.Module):
@@ -60,10 +66,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
+        hidden, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, batch, kv)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, batch, kv)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,119 @@
+"""Rotary embedding of q and k fused with the KV-cache write: one launch reads a token's qkv
+row once, writes its rotated q, and stores its rotated k and its v in the token's cache slot.
+Torch takes a dozen launches for the same (two table gathers and casts, the rotate-half
+``cat`` and four products per tensor, then two ``index_copy_``).
+
+Neox-style rotation (Llama's ``rotate_half``) with ``cos``/``sin`` tables of ``head_dim``
+columns whose two halves are equal. Rounds like the torch reference: the tables to the model
+dtype, then ``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check, check_dtype
+
+
+@triton.jit
+def _rotate(x_ptr, row_off, cos, sin, heads, half,
+            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotated halves (lo, hi) of ``heads`` head vectors starting at ``x_ptr + row_off``."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
+    ptr = x_ptr + row_off + offs_h[:, None] * (2 * half) + offs_d[None, :]
+    lo = tl.load(ptr, mask=mask, other=0.0)
+    hi = tl.load(ptr + half, mask=mask, other=0.0)
+    dt = lo.dtype
+    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
+    new_lo = (lo32 * cos).to(dt).to(tl.float32) + (-hi32 * sin).to(dt).to(tl.float32)
+    new_hi = (hi32 * cos).to(dt).to(tl.float32) + (lo32 * sin).to(dt).to(tl.float32)
+    return new_lo.to(dt), new_hi.to(dt), offs_h, offs_d, mask
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr,
+                    heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
+                    stride_tab, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < half
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(dt).to(tl.float32)[None, :]
+    sin = sin.to(dt).to(tl.float32)[None, :]
+    row = t * stride_qkv
+    lo, hi, oh, od, m = _rotate(qkv_ptr, row, cos, sin, heads, half, BLOCK_H, BLOCK_HALF)
+    out = q_ptr + t * stride_q + oh[:, None] * (2 * half) + od[None, :]
+    tl.store(out, lo, mask=m)
+    tl.store(out + half, hi, mask=m)
+    k_row = row + heads * 2 * half
+    lo, hi, oh, od, m = _rotate(qkv_ptr, k_row, cos, sin, kv_heads, half, BLOCK_KV, BLOCK_HALF)
+    out = k_ptr + slot * stride_k + oh[:, None] * (2 * half) + od[None, :]
+    tl.store(out, lo, mask=m)
+    tl.store(out + half, hi, mask=m)
+    v_row = k_row + kv_heads * 2 * half
+    src = qkv_ptr + v_row + oh[:, None] * (2 * half) + od[None, :]
+    dst = v_ptr + slot * stride_v + oh[:, None] * (2 * half) + od[None, :]
+    tl.store(dst, tl.load(src, mask=m), mask=m)
+    tl.store(dst + half, tl.load(src + half, mask=m), mask=m)
+
+
+def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    """``qkv [T, (heads + 2 * kv_heads) * head_dim]`` -> rotated ``q [T, heads, head_dim]``;
+    rotated k and v written to ``k_cache``/``v_cache`` (``[slots, kv_heads, head_dim]``) at
+    the slots ``cache_loc [T]``, token by token."""
+    check_dtype("qkv", qkv)
+    slots, kv_heads, head_dim = k_cache.shape
+    t = qkv.shape[0]
+    check(qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+          and qkv.stride(-1) == 1,
+          f"qkv has shape {tuple(qkv.shape)}; expected [T, {(heads + 2 * kv_heads) * head_dim}] "
+          f"with contiguous rows ({heads} q heads + 2 x {kv_heads} KV heads of {head_dim})")
+    check(head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {head_dim}")
+    check(v_cache.shape == k_cache.shape and k_cache.dtype == qkv.dtype == v_cache.dtype,
+          f"k_cache/v_cache must share shape and the dtype of qkv ({qkv.dtype}), got "
+          f"{tuple(k_cache.shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
+    check(k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
+          and v_cache.stride(1) == head_dim and v_cache.stride(2) == 1,
+          "k_cache/v_cache must hold each slot's heads contiguously")
+    check(positions.shape == (t,) and cache_loc.shape == (t,),
+          f"positions and cache_loc must have one entry per token ({t}), got "
+          f"{tuple(positions.shape)} and {tuple(cache_loc.shape)}")
+    check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == head_dim
+          and cos.stride(1) == 1 and sin.stride() == cos.stride(),
+          f"cos/sin tables must be [positions, {head_dim}] with contiguous rows")
+    return _rope_kv_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads)
+
+
+def _q(qkv: torch.Tensor, k_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[2]))
+
+
+@torch.library.custom_op("multilora::rope_and_cache_kv", mutates_args=("k_cache", "v_cache"))
+def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    q = _q(qkv, k_cache, heads)
+    t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
+    if t:
+        _rope_kv_kernel[(t,)](
+            qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
+            qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q
+
+
+@_rope_kv_op.register_fake
+def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads):
+    return _q(qkv, k_cache, heads)
