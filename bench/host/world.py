@@ -26,6 +26,7 @@ from lora_runtime.lora.adapters import random_adapter
 from lora_runtime.lora.batch_info import LoRABatchPlan
 from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.manager import LoRAManager
+from lora_runtime.model.backend import use_base_backend
 from lora_runtime.model.config import tiny
 from lora_runtime.model.llama import LlamaForCausalLM
 from lora_runtime.model.modules import LINEAR_TARGETS
@@ -79,11 +80,17 @@ class HostWorld:
         per_request = shape.context + 1
         self.kv = KVCache(config, sum(shape.batch_sizes) * per_request, self.dtype, device)
         self.runner = ModelRunner(model, self.kv, self.lora)
-        self.graphs = GraphRunner.decode(self.runner, list(shape.batch_sizes),
-                                         per_request).capture()
+        with self._base_kernels():
+            self.graphs = GraphRunner.decode(self.runner, list(shape.batch_sizes),
+                                             per_request).capture()
         gen = torch.Generator().manual_seed(0)
         self.schedulers = {bs: self._running(bs, config.vocab_size, gen)
                            for bs in shape.batch_sizes}
+
+    def _base_kernels(self):
+        """CPU tensors take the torch base step even on a GPU host (whose default is Triton,
+        which cannot read CPU tensors)."""
+        return use_base_backend("torch") if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _running(self, bs: int, vocab: int, gen: torch.Generator) -> Scheduler:
         """A scheduler whose running set is ``bs`` requests ready to decode: their context is
@@ -186,7 +193,8 @@ class HostWorld:
 
     def check_replay_matches_eager(self, batch: ForwardBatch) -> None:
         """One real replay of ``batch`` gives the logits of an eager forward of it."""
-        replayed = self.graphs.replay(batch).clone()
-        eager = self.runner.forward_eager(batch)
+        with self._base_kernels():
+            replayed = self.graphs.replay(batch).clone()
+            eager = self.runner.forward_eager(batch)
         tol = REPLAY_TOL[self.dtype]
         torch.testing.assert_close(replayed.float(), eager.float(), rtol=tol, atol=tol)
