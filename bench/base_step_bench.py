@@ -1,18 +1,23 @@
-"""The base decode step (no LoRA, graph replay only) with the torch reference attention and
-with the Triton kernels, next to its bytes floor: every weight and every request's K/V read
-once per step, at the copy bandwidth measured in the same run. ``profile_step`` lists where a
-replay's device time goes, by kernel.
+"""The base decode step (no LoRA, graph replay only) with the torch reference kernels and
+with the Triton ones (attention, RMSNorm, RoPE + KV write, SwiGLU), next to its floors
+(``bench.step_floor``: bytes, and the roofline once the GEMMs are compute-bound), judged
+against ceilings measured in the same run. ``profile_step`` lists where a replay's device
+time goes, by kernel.
 
-``python -m bench.base_step_bench [--layers 4] [--profile]`` prints a table.
+``python -m bench.base_step_bench [--layers 4] [--contexts 512 4096] [--batch-sizes 1 8 64 256]
+[--profile 256 512] [--json out.json]`` prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
 from bench.hardware import Ceilings, measure
+from bench.step_floor import StepFloor
 from bench.timing import bench_time
 from graphs import GraphRunner
 from lora_runtime.engine.kv_cache import KVCache
@@ -25,10 +30,10 @@ from lora_runtime.model.llama import LlamaForCausalLM
 
 def run_base_step(device: torch.device, dtype: torch.dtype, *, preset: str = "llama3-8b",
                   layers: int = 4, batch_sizes=(1, 8, 64, 256), contexts=(512, 4096),
-                  reps: int = 20, ceil: Ceilings | None = None,
-                  profile: tuple[int, int] | None = None) -> list[dict]:
-    """One row per (context, attention backend, batch size). ``profile=(bs, context)``
-    also prints the per-kernel breakdown of that replay with each backend."""
+                  reps: int = 20, ceil: Ceilings | None = None, profile=(),
+                  backends=("torch", "triton")) -> list[dict]:
+    """One row per (context, backend, batch size). ``profile``: (bs, context) pairs whose
+    replays also print their per-kernel breakdown with each backend."""
     ceil = ceil or measure(device, dtype)
     config = PRESETS[preset](layers)
     model = LlamaForCausalLM.random(config, dtype, device)
@@ -36,11 +41,10 @@ def run_base_step(device: torch.device, dtype: torch.dtype, *, preset: str = "ll
     for cache in kv.k + kv.v:  # random, not zeros: zeros can run faster than real data
         cache.normal_()
     runner = ModelRunner(model, kv, None)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_token_bytes = 2 * layers * config.kv_size * kv.k[0].element_size()
+    floor = StepFloor.of(model)
     rows = []
     for ctx in contexts:
-        for backend in ("torch", "triton"):
+        for backend in backends:
             with use_base_backend(backend):
                 graphs = GraphRunner.decode(runner, list(batch_sizes), ctx + 8).capture()
             for bs in batch_sizes:
@@ -51,17 +55,18 @@ def run_base_step(device: torch.device, dtype: torch.dtype, *, preset: str = "ll
                 graphs.replay(batch)  # refreshes the static buffers
                 replay = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))].replay
                 t = bench_time(replay, device=device, mode="events", reps=reps, warmup=3)
-                if profile == (bs, ctx):
+                if (bs, ctx) in profile:
                     profile_step(replay, f"{preset} L={layers} bs={bs} ctx={ctx} {backend}")
-                floor_bytes = weight_bytes + bs * ctx * kv_token_bytes
-                floor_us = floor_bytes / (ceil.copy_gbps * 1e3)
+                f = floor.us(bs, ctx, ceil)
                 rows.append({
                     "suite": "base_step", "preset": preset, "layers": layers, "batch_size": bs,
                     "context": ctx, "attention": backend,
                     "dtype": str(dtype).removeprefix("torch."),
                     "median_us": t.median_us, "p20_us": t.quantile(0.2),
-                    "p80_us": t.quantile(0.8), "floor_bytes": floor_bytes, "floor_us": floor_us,
-                    "pct_of_floor": 100 * floor_us / t.median_us,
+                    "p80_us": t.quantile(0.8), "floor_bytes": floor.bytes(bs, ctx), **f,
+                    "pct_of_bytes_floor": 100 * f["bytes_floor_us"] / t.median_us,
+                    "pct_of_roofline": 100 * f["roofline_floor_us"] / t.median_us,
+                    "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops,
                 })
                 kv.free([s for r in reqs for s in r.kv_slots])
             del graphs
@@ -86,26 +91,39 @@ def profile_step(fn, label: str, top: int = 12) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| layers | bs | context | attention | step us | floor us | % of floor |",
-             "|--:|--:|--:|---|--:|--:|--:|"]
+    lines = ["| layers | bs | context | kernels | step us | bytes floor us | % of it | "
+             "roofline us | % of it |", "|--:|--:|--:|---|--:|--:|--:|--:|--:|"]
     for r in rows:
         lines.append(f"| {r['layers']} | {r['batch_size']} | {r['context']} | {r['attention']} | "
-                     f"{r['median_us']:.0f} | {r['floor_us']:.0f} | {r['pct_of_floor']:.0f}% |")
+                     f"{r['median_us']:.0f} | {r['bytes_floor_us']:.0f} | "
+                     f"{r['pct_of_bytes_floor']:.0f}% | {r['roofline_floor_us']:.0f} | "
+                     f"{r['pct_of_roofline']:.0f}% |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--profile", action="store_true", help="kernel breakdown, bs=64")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--backends", nargs="+", default=["torch", "triton"],
+                        choices=["torch", "triton"])
+    parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
+                        metavar=("BS", "CONTEXT"), help="kernel breakdown of that replay "
+                        "(repeatable)")
+    parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         rows = run_base_step(torch.device("cpu"), torch.float32, preset="tiny", layers=2,
                              batch_sizes=(1, 2), contexts=(16,), reps=2)
     else:
         rows = run_base_step(torch.device("cuda"), torch.bfloat16, layers=args.layers,
-                             profile=(64, 4096) if args.profile else None)
+                             batch_sizes=tuple(args.batch_sizes), contexts=tuple(args.contexts),
+                             profile=[tuple(p) for p in args.profile],
+                             backends=tuple(args.backends))
     print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
