@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.case import Case
 from bench.hardware import Ceilings, measure
-from bench.timing import bench_time
+from bench.timing import Timing, bench_time
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 from lora_runtime.engine.forward_batch import DecodeAttention, ExtendAttention
@@ -31,7 +32,8 @@ TORCH_REF_MAX_BYTES = 2 * 2**30  # the reference's gathered copy (decode) or den
 
 
 @dataclass(frozen=True)
-class AttentionCase:
+class AttentionCase(Case):
+    suite = "attention"
     regime: str
     """"decode" or "prefill"."""
     requests: int
@@ -46,13 +48,18 @@ class AttentionCase:
     tiles: tuple[int, ...] | None = None
     """Triton launch override (decode: block_n, warps, stages; prefill: block_m, block_n,
     warps, stages); None: the kernel's default."""
+    dtype: str = "bfloat16"
 
     @property
     def label(self) -> str:
         extra = f" prefix={self.prefix}" if self.prefix else ""
         extra += f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
         return f"attention {self.regime} reqs={self.requests} len={self.length}{extra} " \
-               f"{self.provider}"
+               f"{self.provider} {self.dtype}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     @property
     def tokens(self) -> int:
@@ -75,8 +82,8 @@ class AttentionCase:
         return 4 * pairs * self.heads * self.head_dim
 
 
-def default_cases(quick: bool, gpu: bool) -> list[AttentionCase]:
-    shape = {} if gpu else {"heads": 4, "kv_heads": 2, "head_dim": 16}
+def default_cases(quick: bool, gpu: bool, dtype: str) -> list[AttentionCase]:
+    shape = {"dtype": dtype} | ({} if gpu else {"heads": 4, "kv_heads": 2, "head_dim": 16})
     if not gpu:
         decode = [(bs, ctx) for bs in (1, 4) for ctx in (64, 160)]
         prefill = [(n, 32, 0) for n in (1, 2, 4)] + [(2, 16, 48)]
@@ -135,7 +142,7 @@ class _Inputs:
 def _first_request_error(case: AttentionCase, inp: _Inputs, out: torch.Tensor) -> float:
     """Relative error of request 0 against the torch reference run in fp32."""
     one = AttentionCase(case.regime, 1, case.length, case.prefix, "torch", case.heads,
-                        case.kv_heads, case.head_dim)
+                        case.kv_heads, case.head_dim, dtype="float32")
     ref_in = _Inputs.__new__(_Inputs)
     ref_in.k, ref_in.v = inp.k.float(), inp.v.float()
     rows = case.tokens // case.requests
@@ -161,17 +168,17 @@ def _torch_ref_bytes(case: AttentionCase, elt: int) -> int:
     return case.tokens * case.requests * case.context // 4
 
 
-def run_attention_case(case: AttentionCase, device: torch.device, dtype: torch.dtype,
-                       ceil: Ceilings, reps: int = 30) -> dict:
-    """One result row: correctness (request 0 vs the fp32 reference) first, then the time."""
+def torch_reference_too_large(case: AttentionCase) -> bool:
+    elt = torch.tensor([], dtype=case.torch_dtype).element_size()
+    return case.provider == "torch" and _torch_ref_bytes(case, elt) > TORCH_REF_MAX_BYTES
+
+
+def measure_case(case: AttentionCase, device: torch.device, ceil: Ceilings,
+                 reps: int = 30) -> tuple[Timing, dict]:
+    """Correctness first (request 0 vs the fp32 reference; ``AssertionError`` naming the case
+    when off), then the time and the figures against the floors."""
+    dtype = case.torch_dtype
     elt = torch.tensor([], dtype=dtype).element_size()
-    row = {"suite": "attention", "case": case.label, "regime": case.regime,
-           "requests": case.requests, "length": case.length, "prefix": case.prefix,
-           "provider": case.provider, "tiles": case.tiles, "heads": case.heads,
-           "kv_heads": case.kv_heads, "head_dim": case.head_dim,
-           "dtype": str(dtype).removeprefix("torch.")}
-    if case.provider == "torch" and _torch_ref_bytes(case, elt) > TORCH_REF_MAX_BYTES:
-        return row | {"skipped": "torch reference over 2 GB"}
     bytes_floor = case.bytes_floor(elt)
     copies = max(1, min(64, -(-L2_SWEEP_BYTES // bytes_floor))) if device.type == "cuda" else 1
     g = torch.Generator(device=device).manual_seed(0)
@@ -180,7 +187,8 @@ def run_attention_case(case: AttentionCase, device: torch.device, dtype: torch.d
     err = _first_request_error(case, inputs[0], out)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     if not err < tol:
-        raise AssertionError(f"{case.label}: relative error {err:.2e} vs the fp32 reference")
+        raise AssertionError(f"{case.label}: relative error {err:.2e} vs the fp32 reference "
+                             f"(limit {tol})")
 
     def sweep() -> None:
         for inp in inputs:
@@ -189,7 +197,7 @@ def run_attention_case(case: AttentionCase, device: torch.device, dtype: torch.d
     t = bench_time(sweep, device=device, mode="graph", calls=copies, reps=reps)
     floor_us = max(bytes_floor / (ceil.copy_gbps * 1e3),
                    case.flops() / (ceil.matmul_tflops * 1e6))
-    return row | _stats(t) | {
+    return t, {
         "rel_err": err, "copies": copies, "bytes_floor": bytes_floor, "flops": case.flops(),
         "floor_us": floor_us, "x_floor": t.median_us / floor_us,
         "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops,
@@ -197,13 +205,26 @@ def run_attention_case(case: AttentionCase, device: torch.device, dtype: torch.d
     }
 
 
-def sweep_cases() -> list[AttentionCase]:
+def run_attention_case(case: AttentionCase, device: torch.device, ceil: Ceilings,
+                       reps: int = 30) -> dict:
+    """One flat row (``--json``): correctness first, then the time."""
+    row = {"suite": "attention", "case": case.label, "regime": case.regime,
+           "requests": case.requests, "length": case.length, "prefix": case.prefix,
+           "provider": case.provider, "tiles": case.tiles, "heads": case.heads,
+           "kv_heads": case.kv_heads, "head_dim": case.head_dim, "dtype": case.dtype}
+    if torch_reference_too_large(case):
+        return row | {"skipped": "torch reference over 2 GB"}
+    t, derived = measure_case(case, device, ceil, reps)
+    return row | _stats(t) | derived
+
+
+def sweep_cases(dtype: str) -> list[AttentionCase]:
     """Launch variants on a few cases per regime (GPU)."""
     decode = [(32, 4, 3), (128, 4, 2), (64, 8, 3)]
     prefill = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3)]
-    cases = [AttentionCase("decode", bs, ctx, tiles=t) for bs, ctx in ((1, 4096), (64, 2048))
-             for t in decode]
-    return cases + [AttentionCase("prefill", 16, 1024, tiles=t) for t in prefill]
+    cases = [AttentionCase("decode", bs, ctx, tiles=t, dtype=dtype)
+             for bs, ctx in ((1, 4096), (64, 2048)) for t in decode]
+    return cases + [AttentionCase("prefill", 16, 1024, tiles=t, dtype=dtype) for t in prefill]
 
 
 def _stats(t) -> dict:
@@ -216,9 +237,10 @@ def run_attention_suite(device: torch.device, dtype: torch.dtype, quick: bool = 
                         cases: list[AttentionCase] | None = None, on_row=None) -> list[dict]:
     """Rows of ``cases`` (default: ``default_cases``); ``on_row`` sees each as it is made."""
     ceil = ceil or measure(device, dtype)
+    name = str(dtype).removeprefix("torch.")
     rows = []
-    for case in cases or default_cases(quick, device.type == "cuda"):
-        rows.append(run_attention_case(case, device, dtype, ceil, reps))
+    for case in cases or default_cases(quick, device.type == "cuda", name):
+        rows.append(run_attention_case(case, device, ceil, reps))
         if on_row is not None:
             on_row(rows[-1])
         if device.type == "cuda":
@@ -254,7 +276,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     print(TABLE_HEAD, flush=True)
     rows = run_attention_suite(device, dtype, args.quick, args.reps,
-                               cases=sweep_cases() if args.sweep else None,
+                               cases=sweep_cases(str(dtype).removeprefix("torch."))
+                               if args.sweep else None,
                                on_row=lambda r: print(format_row(r), flush=True))
     if args.json:
         with open(args.json, "w") as f:

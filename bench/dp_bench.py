@@ -41,6 +41,7 @@ from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
 
 LOADS = {"balanced": ("round_robin", 0.0), "skewed": ("skewed", 0.85)}
+WORKLOAD = ("requests", "prompt", "output", "max_batch")
 
 
 def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
@@ -48,25 +49,26 @@ def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:  # gloo ranks share the cores: split them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dtype = torch.bfloat16 if cuda else torch.float32
     dp = init_dp(device)
     config = PRESETS[opts["preset"]](opts["layers"])
     rows = []
-    for adapters in opts["adapters"]:
-        for load in opts["loads"]:
-            rows.append(_case(rank, size, dp, config, device, dtype, adapters, load, opts))
-            if cuda:
-                torch.cuda.empty_cache()
+    for c in opts["cases"]:
+        rows.append(_case(rank, size, dp, config, device, dtype, c["adapters"], c["load"],
+                          c["rank"], opts))
+        if cuda:
+            torch.cuda.empty_cache()
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     shutdown(device)
 
 
-def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
+def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dict:
     model = LlamaForCausalLM.random(config, dtype, device, seed=0)
     if size > 1:
         shard_mlp(model, dp)
-    r = opts["rank"]
     lora = None
     if adapters:
         lora = LoRAManager(model, LoRAConfig(max(adapters, 1), r,
@@ -104,7 +106,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
     torch.distributed.all_reduce(tokens, group=dp.cpu_group)
     all_shares = [torch.zeros(1, dtype=torch.float64) for _ in range(size)]
     torch.distributed.all_gather(all_shares, shares, group=dp.cpu_group)
-    idle_lora, idle_base = (_idle_forward_us(eng, graphs[0], v, dp, device)
+    idle_lora, idle_base = (_idle_forward_us(eng, graphs[0], v, dp, device,
+                                             opts.get("idle_reps", 50))
                             for v in ("lora", "base"))
     graphs.clear()
     eng.graphs.clear()  # captured collectives must be released before leaving the group
@@ -122,13 +125,14 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, opts) -> dict:
         "idle_forward_lora_us": idle_lora if adapters else None, "idle_forward_base_us": idle_base,
         "ranks_run_on": min(size, max(torch.cuda.device_count(), 1)) if device.type == "cuda"
         else 0,
+        "workload": {k: opts[k] for k in WORKLOAD},
     }
     timing = Timing([s.seconds * 1e6 for s in steps], "wall") if steps else None
     verification = {"status": "verified" if int(tokens) == sum(
         w.max_new_tokens for w in make_workload(spec, config.vocab_size)) else "failed",
         "error": None, "checked": "every request produced max_new_tokens tokens"}
-    row = make_row(case, "gpu" if device.type == "cuda" else "cpu", {}, timing=timing,
-                   derived=derived, verification=verification)
+    row = make_row(case, opts["profile"], {}, timing=timing, derived=derived,
+                   verification=verification)
     if rank == 0:
         print(f"[dp] size={size} {load:8} adapters={adapters:2} "
               f"{derived['output_tokens_per_s']:9.1f} tok/s  idle share per rank "
@@ -182,8 +186,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--out", type=Path, required=True, help="JSON list of result rows")
     args = p.parse_args(argv)
-    opts = {k: getattr(args, k) for k in ("preset", "layers", "adapters", "loads", "rank",
-                                          "requests", "prompt", "output", "max_batch")}
+    opts = {k: getattr(args, k) for k in ("preset", "layers", *WORKLOAD)}
+    opts["cases"] = [{"adapters": a, "load": load, "rank": args.rank}
+                     for a in args.adapters for load in args.loads]
+    opts["profile"] = "gpu" if torch.cuda.is_available() else "cpu"
     if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
         size = int(os.environ["WORLD_SIZE"])
         part = args.out.with_suffix(f".dp{size}.json")
