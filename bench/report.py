@@ -190,7 +190,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     paths = args.paths
     if not paths:
-        runs = sorted((ROOT / "results" / "runs").glob("*/"))
+        # Run folders are <YYYYmmdd-HHMMSS>-<device>; results/runs/host/ holds host-path runs.
+        runs = sorted(p for p in (ROOT / "results" / "runs").glob("*/") if p.name[:8].isdigit())
         if not runs:
             raise SystemExit("no result paths given and no run folder under results/runs/; "
                              "run python -m bench first or pass result files")
