@@ -133,6 +133,9 @@ def run_suite(name, cases, ctx, tele, run, out, slug, publish) -> list[dict]:
             results.upsert(RESULTS / path.name, run, new)
         if any(r["verification"]["status"] == "failed" for r in new):
             bar.write(f"FAILED verification: {case.label}")
+        for r in new:
+            if r["verification"]["status"] == "skipped":
+                bar.write(f"SKIPPED {case.label}: {r['verification']['error']}")
         rows += new
         bar.finish()
     bar.close()
@@ -140,10 +143,17 @@ def run_suite(name, cases, ctx, tele, run, out, slug, publish) -> list[dict]:
 
 
 def _summary_line(name, cases, rows, seconds) -> str:
-    failed = {r["label"] for r in rows if r["verification"]["status"] == "failed"}
+    worst = {"failed": 2, "skipped": 1}  # a case is failed if any of its rows is
+    status = {}
+    for r in rows:
+        s = r["verification"]["status"]
+        if worst.get(s, 0) >= worst.get(status.get(r["label"]), 0):
+            status[r["label"]] = s
+    failed = sum(s == "failed" for s in status.values())
+    skipped = sum(s == "skipped" for s in status.values())
     mark = "!" if failed else " "
-    return (f"{mark} {name}: {len(cases)} cases, {len(cases) - len(failed)} verified, "
-            f"{len(failed)} failed, {seconds:.1f} s")
+    return (f"{mark} {name}: {len(cases)} cases, {len(cases) - failed - skipped} verified, "
+            f"{failed} failed, {skipped} skipped, {seconds:.1f} s")
 
 
 def _report(out: Path) -> None:

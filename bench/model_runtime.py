@@ -62,13 +62,16 @@ class BenchRuntime:
         return {"capture_seconds": s.total_capture_seconds, "graph_memory_bytes": s.memory_bytes,
                 "graphs": len(self.graphs.graphs), "buckets": list(self.graphs.buffers.buckets)}
 
-    def batch(self, batch_size: int, traffic: str):
+    def batch(self, batch_size: int, traffic: str, seed: int | None = None):
         """Requests of ``context`` prompt tokens, ``traffic == "lora"`` spreading them
         round-robin over the adapters. Prefill: their prompts. Decode: one new token each,
-        the prompts already in the cache. Returns the batch and the requests."""
+        the prompts already in the cache. Returns the batch and the requests. ``seed``: the
+        same prompts in every runtime."""
         names = self.names if traffic == "lora" else [None]
-        reqs = [Request(torch.randint(0, self.config.vocab_size, (self.context,)).tolist(),
-                        names[i % len(names)], 4) for i in range(batch_size)]
+        g = None if seed is None else torch.Generator().manual_seed(seed)
+        reqs = [Request(torch.randint(0, self.config.vocab_size, (self.context,),
+                                      generator=g).tolist(), names[i % len(names)], 4)
+                for i in range(batch_size)]
         if self.step_kind == "prefill":
             return build_extend(reqs, self.kv, self.device), reqs
         group = max(1, PREFILL_TOKENS // self.context)
@@ -88,6 +91,23 @@ class BenchRuntime:
     def step(self, batch) -> torch.Tensor:
         """What a serving loop calls per step: plan, static-buffer refresh, replay."""
         return self.graphs.replay(batch)
+
+    def idle_eager(self) -> torch.Tensor:
+        """An idle step's eager forward, its batch built as a serving loop builds it."""
+        return self.runner.forward_eager(self.runner.idle_batch())
+
+    def idle_step(self) -> torch.Tensor:
+        """An idle step's graph replay (the smallest bucket)."""
+        return self.graphs.replay(self.runner.idle_batch())
+
+    @property
+    def lora_active(self) -> bool:
+        """Whether LoRA layers would launch their kernels (a batch is prepared)."""
+        return self.lora is not None and self.lora.backend.batch_info is not None
+
+    def kv_past_scratch(self) -> list[torch.Tensor]:
+        """A copy of every KV slot but the scratch slot (padding rows write there only)."""
+        return [t[KVCache.SCRATCH + 1 :].clone() for t in (*self.kv.k, *self.kv.v)]
 
     def replay_only(self, batch):
         """The captured graph that ``step(batch)`` replays, as a callable (the buffers keep

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import kernel_bench, model_bench, throughput_bench
+from bench import attention_bench, dp_suite, idle_bench, kernel_bench, model_bench, throughput_bench
 
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -78,3 +78,40 @@ def throughput_cases(profile: str):
         return throughput_bench.cases("llama3-8b", 2, "bfloat16", 128, 32, 16,
                                       [(0, "-"), (4, "uniform")], 16)
     return throughput_bench.cases("tiny", 1, "float32", 8, 4, 6, [(0, "-"), (2, "uniform")], 8)
+
+
+def idle_cases(profile: str):
+    if profile == "gpu":
+        return idle_bench.cases("llama3-8b", 8, "bfloat16", 256, (1, 8, 64), 4, 16)
+    if profile == "gpu-quick":
+        return idle_bench.cases("llama3-8b", 2, "bfloat16", 128, (8,), 4, 16)
+    return idle_bench.cases("tiny", 2, "float32", 16, (1, 4), 2, 8)
+
+
+DP_WORKLOAD = {  # requests, lengths and batch limit of every DP case of the profile
+    "gpu": {"requests": 64, "prompt": 128, "output": 64, "max_batch": 32},
+    "gpu-quick": {"requests": 32, "prompt": 128, "output": 32, "max_batch": 16},
+    "cpu": {"requests": 4, "prompt": 6, "output": 3, "max_batch": 2},
+}
+
+
+def dp_cases(profile: str):
+    if profile == "gpu":
+        return dp_suite.cases("llama3-8b", 4, "bfloat16", (1, 2), ("balanced", "skewed"),
+                              (0, 4), 16)
+    if profile == "gpu-quick":
+        return dp_suite.cases("llama3-8b", 2, "bfloat16", (1, 2), ("skewed",), (0, 4), 16)
+    return dp_suite.cases("tiny", 1, "float32", (1, 2), ("skewed",), (0, 2), 8)
+
+
+def attention_cases(profile: str):
+    if profile in ("gpu", "gpu-quick"):
+        return attention_bench.default_cases(profile == "gpu-quick", True, "bfloat16")
+    # The interpreter's bf16 tl.dot is wrong: fp32 and fp16 only.
+    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16}
+    return [attention_bench.AttentionCase("decode", 2, 48, 0, "triton", dtype="float32",
+                                          **shape),
+            attention_bench.AttentionCase("prefill", 2, 16, 16, "triton", dtype="float16",
+                                          **shape),
+            attention_bench.AttentionCase("prefill", 2, 16, 16, "torch", dtype="float16",
+                                          **shape)]

@@ -14,7 +14,8 @@ A row (schema 2)::
     samples_us                 the raw per-call samples
     derived                    figures judged against the hardware (x_floor, pct_of_base, ...)
     telemetry                  bench.telemetry record of the case, or null
-    verification               {"status": "verified" | "failed" | "unverified", "error", ...}
+    verification               {"status": "verified" | "failed" | "skipped" | "unverified",
+                                "error", ...} (skipped: the error says why it did not run)
 
 Files of schema 1 (flat stats, no verification) are migrated when read (``bench.migrate``).
 """

@@ -1,8 +1,9 @@
-"""Cases and row fields of the serving scenarios still to be built (throughput, idle path,
-data parallelism). Their runners come with the engine and DP work; the report already draws
-their rows. Rows are made with ``bench.results.make_row(case, profile, variant, timing=...,
-derived=..., verification=...)`` like every suite's, so they carry the case fields below as
-their key and the usual stats, telemetry and verification.
+"""Cases and row fields of the serving scenarios (throughput, idle path, data parallelism),
+run by ``bench.throughput_bench``, ``bench.idle_bench`` and ``bench.dp_bench`` (through
+``bench.dp_suite``) and drawn by the report. Rows are made with
+``bench.results.make_row(case, profile, variant, timing=..., derived=..., verification=...)``
+like every suite's, so they carry the case fields below as their key and the usual stats,
+telemetry and verification.
 
 throughput (``ThroughputCase``; variant ``{}``; ``timing``: per-step times, optional)
     derived: ``output_tokens_per_s``, ``requests_per_s``, ``ttft_p50_ms``, ``ttft_p99_ms``,
@@ -12,12 +13,14 @@ throughput (``ThroughputCase``; variant ``{}``; ``timing``: per-step times, opti
     ``pct_of_base`` (output tokens/s over the ``adapters=0`` case of the same workload).
 idle (``IdleCase``; variant ``{"runtime": "lora"|"no_lora", "path": "eager"|"graph"}``;
     ``timing``: the forward's time)
-    derived: ``overhead_pct`` (over the ``no_lora`` row of the same scenario and path).
+    derived: ``overhead_pct`` (over the ``no_lora`` row of the same case and path; null on
+    ``no_lora`` rows), ``graph_kind``, ``tokens``, ``floor_us`` / ``x_floor`` (weight bytes;
+    absent on the eager idle forward, which reads no weight).
 dp (``DPCase``; variant ``{}``; ``timing``: step times of rank 0)
     derived: ``output_tokens_per_s``, ``requests_per_s``, ``idle_share`` (mean over ranks of
     the share of step time spent in idle forwards), ``idle_share_per_rank`` (list),
-    ``idle_forward_us`` (one idle forward), ``ranks_run_on`` (GPUs used, when dp_size ranks
-    share fewer GPUs).
+    ``idle_forward_us`` (one idle forward; ``idle_forward_lora_us`` and
+    ``idle_forward_base_us`` per variant), ``ranks_run_on`` (GPUs used), ``workload``.
 """
 
 from __future__ import annotations
@@ -60,10 +63,19 @@ class IdleCase(Case):
     """idle_forward (a DP rank without tokens) | base_batch (base-only traffic)."""
     batch_size: int
     """0 for idle_forward."""
+    context: int = 0
+    """base_batch: tokens cached per request (0 for idle_forward)."""
+    adapters: int = 4
+    """Adapters loaded in the LoRA runtime (the traffic itself is base-only)."""
+    rank: int = 16
 
     @property
     def label(self) -> str:
-        return f"idle {self.scenario} {self.preset} L={self.layers} bs={self.batch_size}"
+        lora = f"adapters={self.adapters} r={self.rank}"
+        if self.scenario == "idle_forward":
+            return f"idle {self.scenario} {self.preset} L={self.layers} {lora}"
+        return (f"idle {self.scenario} {self.preset} L={self.layers} ctx={self.context} "
+                f"bs={self.batch_size} {lora}")
 
 
 @dataclass(frozen=True)

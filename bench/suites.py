@@ -1,14 +1,23 @@
 """The suites ``python -m bench`` runs, by name. A suite lists its cases for a profile,
 prepares what its cases share (``start``, given the selected cases; returns the per-case
-function) and prints its table. Scenarios to come (throughput, idle, dp) register here; their
-row fields are in ``bench.report_rows``."""
+function) and prints its table. The serving scenarios' row fields (throughput, idle, dp) are
+in ``bench.scenarios``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import kernel_bench, model_bench, profiles, table, throughput_bench
+from bench import (
+    attention_suite,
+    dp_suite,
+    idle_bench,
+    kernel_bench,
+    model_bench,
+    profiles,
+    table,
+    throughput_bench,
+)
 from bench.case import Case
 from bench.context import Context
 
@@ -42,4 +51,16 @@ SUITES = {
                         profiles.throughput_cases,
                         lambda todo, ctx: throughput_bench.make_runner(ctx),
                         throughput_bench.table),
+    "idle": Suite("idle", "the idle path: an idle forward and a base-only batch, LoRA runtime "
+                  "vs runtime without LoRA, eager and graph", profiles.idle_cases,
+                  idle_bench.make_runner, idle_bench.table),
+    "dp": Suite("dp", "data-parallel attention: DP sizes, balanced and skewed load, with and "
+                "without LoRA: tokens/s, idle share per rank, idle forward cost",
+                profiles.dp_cases, lambda todo, ctx: dp_suite.make_runner(
+                    todo, ctx, profiles.DP_WORKLOAD[ctx.profile]), dp_suite.table),
+    "attention": Suite("attention", "attention over the KV cache, decode and prefill: Triton "
+                       "kernels and the torch reference vs their bytes/FLOP floors",
+                       profiles.attention_cases,
+                       lambda todo, ctx: lambda case: attention_suite.run_case(case, ctx),
+                       attention_suite.table),
 }

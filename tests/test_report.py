@@ -64,16 +64,18 @@ def test_browser_check_catches_a_broken_page(tmp_path):
 
 
 def test_cpu_profile_end_to_end(tmp_path):
-    """A reduced CPU run (one kernel case, three model cases): result files with verified rows
-    whose reproduce command selects exactly their case, and the report."""
+    """A reduced CPU run, every suite (one kernel case, two model cases, the idle forward and a
+    base batch, DP size 2 with LoRA on gloo ranks, Triton decode attention): result files with
+    verified rows whose reproduce command selects exactly their case, and the report."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "bench", "--profile", "cpu", "--out", str(out), "--filter",
-           "qkv_proj T=1 |bs=1 (no-lora|adapters=2 r=8$)"]
+           "qkv_proj T=1 |bs=1 (no-lora|adapters=2 r=8$)|idle_forward|dp size=2 .*adapters|"
+           "attention decode .* triton"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "CPU times are wall clock" in p.stdout
     files = sorted(f.name for f in out.glob("*.json"))
-    assert files == ["kernels-cpu.json", "model-cpu.json"]
+    assert files == [f"{s}-cpu.json" for s in ("attention", "dp", "idle", "kernels", "model")]
     for f in files:
         data = json.loads((out / f).read_text())
         assert data["schema"] == 2 and data["rows"]

@@ -1,0 +1,122 @@
+"""The idle, DP and attention suites of ``python -m bench``: verified rows carry the fields the
+report draws; a case failing verification is failed and not timed; a DP size the machine
+cannot run is skipped with the reason, a failed spawn fails its cases."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from bench import attention_bench, attention_suite, dp_suite, idle_bench
+from bench.attention_bench import AttentionCase
+from bench.context import Context
+from bench.hardware import Ceilings
+from bench.model_runtime import BenchRuntime
+from bench.scenarios import IdleCase
+
+CPU = torch.device("cpu")
+CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=2, profile="cpu")
+IDLE = IdleCase("tiny", 1, "float32", "idle_forward", 0, 0, 2, 4)
+BASE = IdleCase("tiny", 1, "float32", "base_batch", 1, 8, 2, 4)
+VARIANTS = {(rt, p) for rt in idle_bench.RUNTIMES for p in idle_bench.PATHS}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return idle_bench.RuntimePair([IDLE, BASE], CPU)
+
+
+def test_idle_rows_are_verified_and_carry_the_report_fields(pair):
+    rows = idle_bench.run_case(IDLE, CTX, pair) + idle_bench.run_case(BASE, CTX, pair)
+    for case in (IDLE, BASE):
+        mine = [r for r in rows if r["label"] == case.label]
+        assert {(r["runtime"], r["path"]) for r in mine} == VARIANTS
+        for r in mine:
+            assert r["verification"]["status"] == "verified", r["verification"]
+            assert r["scenario"] == case.scenario and r["batch_size"] == case.batch_size
+            assert r["stats"]["n"] == len(r["samples_us"]) == CTX.reps
+            d = r["derived"]
+            assert (d["overhead_pct"] is None) == (r["runtime"] == "no_lora")
+            assert d["graph_kind"] == (None if r["path"] == "eager" else "base")
+            reads_weights = case is BASE or r["path"] == "graph"
+            assert ("x_floor" in d) == reads_weights
+    charts = pytest.importorskip("bench.report_charts")
+    [fig] = charts.idle(rows)
+    assert len(fig.data) == len(VARIANTS)
+    assert "verified" in idle_bench.table(rows)
+
+
+def _plus_one_in_lora_runtime(method):
+    orig = getattr(BenchRuntime, method)
+    return lambda self, *a: orig(self, *a) + (1.0 if self.lora is not None else 0.0)
+
+
+def _writes_kv(self):
+    out = self.graphs.replay(self.runner.idle_batch())
+    self.kv.k[0][1] += 1.0  # a padding row's K landing in a live slot
+    return out
+
+
+def _lora_variant(self):
+    return self.graphs.replay(self.runner.idle_batch(), None,
+                              "lora" if self.lora is not None else None)
+
+
+@pytest.mark.parametrize("case, faults, message", [
+    (BASE, {"step": _plus_one_in_lora_runtime("step")}, "graph step differs from its eager"),
+    (BASE, {"step": _plus_one_in_lora_runtime("step"),
+            "eager": _plus_one_in_lora_runtime("eager")}, "differs from the runtime without"),
+    (IDLE, {"idle_step": _writes_kv}, "wrote KV slots other than the scratch slot"),
+    (IDLE, {"idle_step": _lora_variant}, "LoRA batch prepared|replayed the lora graph"),
+], ids=["replay differs", "lora changes base traffic", "idle writes KV", "idle replays lora"])
+def test_an_idle_case_failing_verification_is_failed_and_not_timed(pair, monkeypatch, case,
+                                                                   faults, message):
+    for name, fault in faults.items():
+        monkeypatch.setattr(BenchRuntime, name, fault)
+    [row] = idle_bench.run_case(case, CTX, pair)
+    assert row["verification"]["status"] == "failed"
+    assert re.search(message, row["verification"]["error"])
+    assert row["stats"] is None and row["samples_us"] == []
+
+
+def test_a_dp_size_above_the_gpus_present_is_skipped_with_the_reason(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = Context(torch.device("cuda"), CTX.ceilings, reps=2, profile="gpu")
+    cases = dp_suite.cases("llama3-8b", 4, "bfloat16", (2,), ("skewed",), (0, 4), 16)
+    run = dp_suite.make_runner(cases, gpu, {})
+    for case in cases:
+        [row] = run(case)
+        assert row["verification"]["status"] == "skipped" and row["stats"] is None
+        assert "needs 2 GPUs" in row["verification"]["error"]
+
+
+def test_a_failed_dp_spawn_fails_its_cases(monkeypatch):
+    def dead_rank(*a, **k):
+        raise RuntimeError("rank 1 exited with code 3")
+
+    monkeypatch.setattr(dp_suite, "spawn", dead_rank)
+    cases = dp_suite.cases("tiny", 1, "float32", (2,), ("skewed",), (0, 2), 8)
+    run = dp_suite.make_runner(cases, CTX, {})
+    rows = [r for c in cases for r in run(c)]
+    assert [r["verification"]["status"] for r in rows] == ["failed", "failed"]
+    assert all("rank 1 exited" in r["verification"]["error"] for r in rows)
+
+
+ATTENTION = AttentionCase("decode", 2, 16, 0, "triton", 2, 1, 16, dtype="float32")
+
+
+def test_an_attention_case_is_verified_then_timed():
+    [row] = attention_suite.run_case(ATTENTION, CTX)
+    assert row["verification"]["status"] == "verified"
+    assert row["stats"]["n"] == CTX.reps and row["derived"]["x_floor"] > 0
+    assert row["regime"] == "decode" and row["dtype"] == "float32"
+
+
+def test_an_attention_case_off_the_reference_is_failed_and_not_timed(monkeypatch):
+    monkeypatch.setattr(attention_bench, "_first_request_error", lambda *a: 0.5)
+    [row] = attention_suite.run_case(ATTENTION, CTX)
+    assert row["verification"]["status"] == "failed" and "relative error" in \
+        row["verification"]["error"]
+    assert row["stats"] is None
