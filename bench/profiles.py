@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import attention_bench, dp_suite, idle_bench, kernel_bench, model_bench, throughput_bench
+from bench import (
+    attention_bench,
+    base_step_suite,
+    dp_suite,
+    idle_bench,
+    kernel_bench,
+    model_bench,
+    throughput_bench,
+)
 
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -102,6 +110,16 @@ def dp_cases(profile: str):
     if profile == "gpu-quick":
         return dp_suite.cases("llama3-8b", 2, "bfloat16", (1, 2), ("skewed",), (0, 4), 16)
     return dp_suite.cases("tiny", 1, "float32", (1, 2), ("skewed",), (0, 2), 8)
+
+
+def base_step_cases(profile: str):
+    if profile == "gpu":  # 4 layers at two contexts, both kernel sets; full depth at 512
+        return (base_step_suite.cases("llama3-8b", 4, "bfloat16", (1, 8, 64, 256), (512, 4096),
+                                      ("triton", "torch"))
+                + base_step_suite.cases("llama3-8b", 32, "bfloat16", (1, 16, 64, 256), (512,)))
+    if profile == "gpu-quick":
+        return base_step_suite.cases("llama3-8b", 2, "bfloat16", (1, 64), (512,))
+    return base_step_suite.cases("tiny", 1, "float32", (1, 3), (16,), ("torch",))
 
 
 def attention_cases(profile: str):

@@ -26,6 +26,8 @@ from bench.provenance import ROOT
 REGRESSION = 1.10  # a case this much slower than the baseline is flagged
 
 PLACEHOLDERS = {
+    "base_step": "No base-step rows (suite 'base_step').",
+    "attention": "No attention rows (suite 'attention').",
     "throughput": "No throughput rows yet (suite 'throughput': offline workloads at several "
                   "adapter counts and popularity; fields in bench/scenarios.py).",
     "idle": "No idle-path rows yet (suite 'idle': idle forward and base-only batch, LoRA "
@@ -141,6 +143,10 @@ def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None) -> 
                                               "No model rows."),
         "<h2>LoRA cost in the model step</h2>", _figs_html(charts.model_lora_cost(rows),
                                                            "No model rows with LoRA."),
+        "<h2>Base decode step vs its floor</h2>",
+        _figs_html(charts.base_step(rows), PLACEHOLDERS["base_step"]),
+        "<h2>Attention vs its floor</h2>",
+        _figs_html(charts.attention(rows), PLACEHOLDERS["attention"]),
         "<h2>Throughput vs adapters and popularity</h2>",
         _figs_html(charts.throughput(rows), PLACEHOLDERS["throughput"]),
         "<h2>Idle-path overhead</h2>", _figs_html(charts.idle(rows), PLACEHOLDERS["idle"]),

@@ -169,3 +169,29 @@ def deltas(pairs: list[tuple[str, float]]) -> list[go.Figure]:
                                        else "#7f8c8d" for _, v in pairs]))
     fig.update_xaxes(showticklabels=len(pairs) <= 40)
     return [fig]
+
+
+def base_step(rows) -> list[go.Figure]:
+    steps = [r for r in rows if r["suite"] == "base_step" and r.get("stats")]
+    if not steps:
+        return []
+    series = defaultdict(list)
+    for r in steps:
+        series[f"L={r['layers']} ctx={r['context']} {r['kernels']}"].append(
+            (r["batch_size"], r["derived"]["pct_of_roofline"]))
+    return [_lines(_fig("Base decode step: % of its roofline floor", "batch size",
+                        "% of floor", log_x=True), dict(sorted(series.items())))]
+
+
+def attention(rows) -> list[go.Figure]:
+    att = [r for r in rows if r["suite"] == "attention" and r.get("stats")
+           and not r.get("tiles") and r["derived"].get("x_floor") is not None]
+    if not att:
+        return []
+    series = defaultdict(list)
+    for r in att:
+        prefix = f" prefix={r['prefix']}" if r.get("prefix") else ""
+        series[f"{r['regime']} len={r['length']}{prefix} {r['provider']}"].append(
+            (r["requests"], r["derived"]["x_floor"]))
+    return [_lines(_fig("Attention over the KV cache: time over its floor", "requests",
+                        "x floor", log_x=True, log_y=True), dict(sorted(series.items())))]

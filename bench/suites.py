@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from bench import (
     attention_suite,
+    base_step_suite,
     dp_suite,
     idle_bench,
     kernel_bench,
@@ -58,6 +59,10 @@ SUITES = {
                 "without LoRA: tokens/s, idle share per rank, idle forward cost",
                 profiles.dp_cases, lambda todo, ctx: dp_suite.make_runner(
                     todo, ctx, profiles.DP_WORKLOAD[ctx.profile]), dp_suite.table),
+    "base_step": Suite("base_step", "the base model's decode step (graph replay, no LoRA) by "
+                       "batch size and context vs its bytes and roofline floors",
+                       profiles.base_step_cases, base_step_suite.make_runner,
+                       base_step_suite.table),
     "attention": Suite("attention", "attention over the KV cache, decode and prefill: Triton "
                        "kernels and the torch reference vs their bytes/FLOP floors",
                        profiles.attention_cases,

@@ -1,10 +1,12 @@
-"""Synthetic result rows of every suite (kernels, model, throughput, idle, dp), made the way
-the suites make them, for report tests."""
+"""Synthetic result rows of every suite (kernels, model, throughput, idle, dp, base step,
+attention), made the way the suites make them, for report tests."""
 
 from __future__ import annotations
 
 import torch
 
+from bench.attention_bench import AttentionCase
+from bench.base_step_suite import BaseStepCase
 from bench.kernel_bench import KernelCase
 from bench.model_bench import ModelCase
 from bench.results import make_row
@@ -61,4 +63,11 @@ def rows(scale: float = 1.0) -> list[dict]:
             case = DPCase("llama3-8b", 4, "bfloat16", dp, load, 4, "16")
             out.append(make_row(case, "gpu", {}, verification=OK, derived={
                 "output_tokens_per_s": 8000.0 * dp, "idle_share": 0.1 * (load == "skewed")}))
+    for bs in (1, 64):
+        case = BaseStepCase("llama3-8b", 4, "bfloat16", bs, 512, "triton")
+        out.append(make_row(case, "gpu", {}, timing=_t(800.0 + bs), verification=OK,
+                            derived={"pct_of_roofline": 80.0, "pct_of_bytes_floor": 78.0}))
+        case = AttentionCase("decode", bs, 512)
+        out.append(make_row(case, "gpu", {}, timing=_t(10.0 + bs), verification=OK,
+                            derived={"x_floor": 1.2}))
     return [r | {"run_id": RUN["run_id"]} for r in out]

@@ -70,12 +70,13 @@ def test_cpu_profile_end_to_end(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "bench", "--profile", "cpu", "--out", str(out), "--filter",
            "qkv_proj T=1 |bs=1 (no-lora|adapters=2 r=8$)|idle_forward|dp size=2 .*adapters|"
-           "attention decode .* triton"]
+           "attention decode .* triton|base_step .* bs=1 "]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "CPU times are wall clock" in p.stdout
     files = sorted(f.name for f in out.glob("*.json"))
-    assert files == [f"{s}-cpu.json" for s in ("attention", "dp", "idle", "kernels", "model")]
+    assert files == [f"{s}-cpu.json" for s in ("attention", "base_step", "dp", "idle", "kernels",
+                                               "model")]
     for f in files:
         data = json.loads((out / f).read_text())
         assert data["schema"] == 2 and data["rows"]
