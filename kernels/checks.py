@@ -10,36 +10,40 @@ from kernels.segments import SegmentLayout
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg) -> None:
+    """``msg``: the text, or a function making it (the launchers' f-strings cost more than
+    their checks when built on every call)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
-    check(t.dtype in FLOAT_DTYPES, f"{name} has dtype {t.dtype}; expected fp16, bf16 or fp32")
+    check(t.dtype in FLOAT_DTYPES, lambda: f"{name} has dtype {t.dtype}; expected fp16, bf16 or "
+          f"fp32")
     check(
         not (interpreted() and t.dtype == torch.bfloat16),
-        f"{name} is bf16 but TRITON_INTERPRET=1: the interpreter computes tl.dot on bf16 wrongly."
-        " Use fp16/fp32 on CPU, or the torch backend",
+        lambda: f"{name} is bf16 but TRITON_INTERPRET=1: the interpreter computes tl.dot on bf16 "
+        f"wrongly. Use fp16/fp32 on CPU, or the torch backend",
     )
 
 
 def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, what: str) -> None:
     check(
         layout is not None,
-        f"{what}: no LoRA batch is prepared. Call LoRAManager.prepare_lora_batch(forward_batch)"
+        lambda: f"{what}: no LoRA batch is prepared. Call "
+        f"LoRAManager.prepare_lora_batch(forward_batch)"
         " before the forward, or skip LoRA when backend.batch_info is None",
     )
     check(
         layout.num_rows == rows,
-        f"{what}: the prepared LoRA metadata covers {layout.num_rows} rows but the input has "
-        f"{rows}. The metadata is stale: prepare (or reset) the LoRA batch for this forward",
+        lambda: f"{what}: the prepared LoRA metadata covers {layout.num_rows} rows but the input "
+        f"has {rows}. The metadata is stale: prepare (or reset) the LoRA batch for this forward",
     )
     for name in ("token_slots", "permutation", "block_slots", "block_starts", "block_ends"):
         t = getattr(layout, name)
         check(
             t.dtype == torch.int32 and t.device == device and t.is_contiguous(),
-            f"{what}: layout.{name} must be contiguous int32 on {device}, got {t.dtype} on "
+            lambda: f"{what}: layout.{name} must be contiguous int32 on {device}, got {t.dtype} on "
             f"{t.device}",
         )
 
@@ -49,14 +53,16 @@ def check_tables(weights_ranks: torch.Tensor, scalings: torch.Tensor | None, num
     want = (num_slots + 1, num_slices)
     check(
         weights_ranks.dtype == torch.int32 and tuple(weights_ranks.shape) == want,
-        f"ranks must be int32 of shape {want} (slots + neutral slot, slices), got "
+        lambda: f"ranks must be int32 of shape {want} (slots + neutral slot, slices), got "
         f"{weights_ranks.dtype} {tuple(weights_ranks.shape)}",
     )
-    check(weights_ranks.device == device, f"ranks is on {weights_ranks.device}, expected {device}")
+    check(weights_ranks.device == device, lambda: f"ranks is on {weights_ranks.device}, expected "
+          f"{device}")
     if scalings is not None:
         check(
             scalings.dtype == torch.float32 and tuple(scalings.shape) == want,
-            f"scalings must be float32 of shape {want}, got {scalings.dtype} "
+            lambda: f"scalings must be float32 of shape {want}, got {scalings.dtype} "
             f"{tuple(scalings.shape)}",
         )
-        check(scalings.device == device, f"scalings is on {scalings.device}, expected {device}")
+        check(scalings.device == device, lambda: f"scalings is on {scalings.device}, expected "
+              f"{device}")

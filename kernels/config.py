@@ -7,7 +7,16 @@ import functools
 import os
 
 import torch
-import triton
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ``triton.cdiv`` (Triton's is a jit function: ~15 us a call from Python)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side ``triton.next_power_of_2`` (same reason)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def interpreted() -> bool:
@@ -27,13 +36,13 @@ def programs_wanted(device: torch.device) -> int:
 
 
 def rank_block(max_rank: int) -> int:
-    return max(16, triton.next_power_of_2(max_rank))
+    return max(16, next_pow2(max_rank))
 
 
 def shrink_k_block(block_r: int, k: int) -> int:
     # One stage of the A tile stays within 32 KB of shared memory.
     cap = 256 if block_r <= 32 else (128 if block_r <= 64 else 64)
-    return max(16, min(cap, triton.next_power_of_2(k)))
+    return max(16, min(cap, next_pow2(k)))
 
 
 def shrink_split(
@@ -57,7 +66,7 @@ def expand_n_block(max_width: int, block_m: int) -> int:
     # 64 rows x 128 columns ran out of registers (255/thread, 12% occupancy on the H200):
     # prefill-sized blocks use narrower tiles (gate_up, T=2048: 171 us vs 344 us).
     cap = 64 if block_m >= 64 else 128
-    return max(16, min(cap, triton.next_power_of_2(max_width)))
+    return max(16, min(cap, next_pow2(max_width)))
 
 
 def expand_tiles_per_program(

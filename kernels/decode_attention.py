@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.traced_op import traced_op
 
 TILES = (64, 4, 2)
 """(block_n, num_warps, num_stages): keys per tile."""
@@ -109,7 +110,7 @@ def _decode_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
-@torch.library.custom_op("multilora::decode_attention", mutates_args=())
+@traced_op("multilora::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
     kv_lens: torch.Tensor, sm_scale: float, splits: int, block_n: int, num_warps: int,
@@ -126,14 +127,14 @@ def _decode_attention_op(
     else:
         part = torch.empty(bs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, config.next_pow2(head_dim))
     _decode_partial_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, kv_indices, kv_lens, part, lse,
         sm_scale * 1.4426950408889634, group, head_dim, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), kv_indices.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        DIRECT=splits == 1, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        DIRECT=splits == 1, BLOCK_G=max(16, config.next_pow2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=config.dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -143,7 +144,7 @@ def _decode_attention_op(
         part, lse, kv_lens, out, head_dim, splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_N=block_n,
+        BLOCK_S=max(2, config.next_pow2(splits)), BLOCK_N=block_n,
         BLOCK_D=block_d,
     )
     return out
@@ -175,33 +176,35 @@ def decode_attention(
     head_dim]``). Entries past ``kv_lens[b]`` are never read; ``kv_lens[b]`` must be >= 1.
     ``splits`` overrides the context-split heuristic and ``tiles`` = (block_n, num_warps,
     num_stages) the ``TILES`` default (tests, tuning)."""
-    check(q.dim() == 3, f"q must be [bs, heads, head_dim], got shape {tuple(q.shape)}")
+    check(q.dim() == 3, lambda: f"q must be [bs, heads, head_dim], got shape {tuple(q.shape)}")
     bs, heads, head_dim = q.shape
     check_dtype("q", q)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check(c.dim() == 3 and c.shape[2] == head_dim and c.stride(2) == 1,
-              f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
+              lambda: f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
               f"shape {tuple(c.shape)} strides {c.stride()}")
         check(c.dtype == q.dtype and c.device == q.device,
-              f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep the "
-              "KV cache in the model dtype")
-    check(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} and v_cache "
+              lambda: f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep "
+              f"the KV cache in the model dtype")
+    check(k_cache.shape == v_cache.shape, lambda: f"k_cache {tuple(k_cache.shape)} and v_cache "
           f"{tuple(v_cache.shape)} differ")
     kv_heads = k_cache.shape[1]
-    check(heads % kv_heads == 0, f"q has {heads} heads, not a multiple of the cache's "
+    check(heads % kv_heads == 0, lambda: f"q has {heads} heads, not a multiple of the cache's "
           f"{kv_heads} KV heads")
-    check(q.stride(2) == 1, f"q must have a contiguous head_dim, got strides {q.stride()}")
+    check(q.stride(2) == 1, lambda: f"q must have a contiguous head_dim, got strides {q.stride()}")
     check(kv_indices.dim() == 2 and kv_indices.shape[0] == bs and kv_indices.stride(1) == 1,
-          f"kv_indices must be [{bs}, max_context] with contiguous rows, got shape "
+          lambda: f"kv_indices must be [{bs}, max_context] with contiguous rows, got shape "
           f"{tuple(kv_indices.shape)} strides {kv_indices.stride()}")
-    check(tuple(kv_lens.shape) == (bs,), f"kv_lens must be [{bs}], got {tuple(kv_lens.shape)}")
+    check(tuple(kv_lens.shape) == (bs,), lambda: f"kv_lens must be [{bs}], got "
+          f"{tuple(kv_lens.shape)}")
     for name, t in (("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         check(t.dtype in (torch.int32, torch.int64) and t.device == q.device,
-              f"{name} must be int32/int64 on {q.device}, got {t.dtype} on {t.device}")
+              lambda: f"{name} must be int32/int64 on {q.device}, got {t.dtype} on {t.device}")
     block_n, num_warps, num_stages = tiles or TILES
     check(block_n >= 16 and block_n & (block_n - 1) == 0,
-          f"block_n must be a power of two >= 16, got {block_n}")
+          lambda: f"block_n must be a power of two >= 16, got {block_n}")
     splits = splits or decode_splits(bs, kv_heads, kv_indices.shape[1], q.device, block_n)
-    check(1 <= splits <= 4 * MAX_SPLITS, f"splits must be in [1, {4 * MAX_SPLITS}], got {splits}")
+    check(1 <= splits <= 4 * MAX_SPLITS, lambda: f"splits must be in [1, {4 * MAX_SPLITS}], got "
+          f"{splits}")
     return _decode_attention_op(q, k_cache, v_cache, kv_indices, kv_lens, float(sm_scale),
                                 int(splits), block_n, num_warps, num_stages)

@@ -12,6 +12,7 @@ from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_layout, check_tables
 from kernels.segments import SegmentLayout
+from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
 
 
@@ -39,7 +40,7 @@ def _embedding_gather_kernel(
              a.to(tl.float32), mask=mask)
 
 
-@torch.library.custom_op("multilora::embedding_gather", mutates_args=())
+@traced_op("multilora::embedding_gather", mutates_args=())
 def _embedding_op(
     token_ids: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
     permutation: torch.Tensor, block_slots: torch.Tensor, block_starts: torch.Tensor,
@@ -72,9 +73,9 @@ def lora_embedding_shrink(
     check(weights.is_embedding, "lora_embedding_shrink needs weights from "
           "LoRAWeights.for_embedding")
     check(token_ids.dtype in (torch.int32, torch.int64) and token_ids.is_contiguous(),
-          f"token_ids must be contiguous int32/int64, got {token_ids.dtype}")
+          lambda: f"token_ids must be contiguous int32/int64, got {token_ids.dtype}")
     check(weights.lora_a.device == token_ids.device,
-          f"lora_a is on {weights.lora_a.device} but token_ids is on {token_ids.device}")
+          lambda: f"lora_a is on {weights.lora_a.device} but token_ids is on {token_ids.device}")
     check_tables(weights.ranks, None, weights.num_slots, 1, token_ids.device)
     return _embedding_op(
         token_ids, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,

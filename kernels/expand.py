@@ -15,6 +15,7 @@ from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_dtype, check_layout, check_tables
 from kernels.segments import SegmentLayout
+from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
 
 
@@ -70,7 +71,7 @@ def _expand_kernel(
         tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=y_mask)
 
 
-@torch.library.custom_op("multilora::expand", mutates_args=("y",))
+@traced_op("multilora::expand", mutates_args=("y",))
 def _expand_op(
     a: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, ranks: torch.Tensor,
     scalings: torch.Tensor, slice_offsets: torch.Tensor, permutation: torch.Tensor,
@@ -111,21 +112,21 @@ def lora_expand(
     check_layout(layout, y.shape[0] if y.dim() == 2 else -1, y.device, "lora_expand")
     b = weights.lora_b
     check(y.dim() == 2 and y.shape[1] == b.shape[1],
-          f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}")
+          lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}")
     check_dtype("y", y)
-    check(b.dtype == y.dtype, f"lora_b dtype {b.dtype} differs from y dtype {y.dtype}")
-    check(b.device == y.device, f"lora_b is on {b.device} but y is on {y.device}")
+    check(b.dtype == y.dtype, lambda: f"lora_b dtype {b.dtype} differs from y dtype {y.dtype}")
+    check(b.device == y.device, lambda: f"lora_b is on {b.device} but y is on {y.device}")
     check(b.shape[2] == weights.max_rank,
-          f"lora_b must be [slots, out, max_rank={weights.max_rank}], got {tuple(b.shape)}")
+          lambda: f"lora_b must be [slots, out, max_rank={weights.max_rank}], got {tuple(b.shape)}")
     want = (y.shape[0], weights.num_slices * weights.max_rank)
     check(tuple(a.shape) == want and a.dtype == torch.float32,
-          f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
+          lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
     check_tables(weights.ranks, weights.scalings, weights.num_slots, weights.num_slices, y.device)
     block_n = block_n or config.expand_n_block(max(weights.slice_widths), layout.block_m)
-    slice_tiles = [triton.cdiv(w, block_n) for w in weights.slice_widths]
+    slice_tiles = [config.cdiv(w, block_n) for w in weights.slice_widths]
     tiles = config.expand_tiles_per_program(layout.block_slots.shape[0], sum(slice_tiles),
                                             y.device, tiles)
-    num_groups = sum(triton.cdiv(n, tiles) for n in slice_tiles)
+    num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
     _expand_op(
         a, b, y, weights.ranks, weights.scalings, weights.slice_offsets,
         layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,

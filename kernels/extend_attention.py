@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.traced_op import traced_op
 
 TILES = (64, 64, 4, 2)
 """(block_m, block_n, num_warps, num_stages): query rows and keys per tile."""
@@ -103,7 +104,7 @@ def _extend_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-@torch.library.custom_op("multilora::extend_attention", mutates_args=())
+@traced_op("multilora::extend_attention", mutates_args=())
 def _extend_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
     q_starts: torch.Tensor, kv_starts: torch.Tensor, sm_scale: float, block_m: int,
@@ -115,14 +116,14 @@ def _extend_attention_op(
     out = q.new_zeros(q.shape)
     if t == 0 or requests == 0:
         return out
-    grid = (triton.cdiv(t, block_m) + requests, heads)
+    grid = (config.cdiv(t, block_m) + requests, heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, kv_indices, q_starts, kv_starts,
         requests, sm_scale * 1.4426950408889634, heads // k_cache.shape[1], head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        BLOCK_R=max(2, triton.next_power_of_2(requests)), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_R=max(2, config.next_pow2(requests)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, config.next_pow2(head_dim)),
         PRECISION=config.dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -143,30 +144,30 @@ def extend_attention(
     to ``kv_indices[kv_starts[i] : kv_starts[i] + prefix_i + j + 1]``, where ``prefix_i`` is
     request i's context length minus its new tokens. Rows past ``q_starts[-1]`` are zero.
     ``tiles`` = (block_m, block_n, num_warps, num_stages) overrides ``TILES`` (tuning)."""
-    check(q.dim() == 3, f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    check(q.dim() == 3, lambda: f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     t, heads, head_dim = q.shape
     check_dtype("q", q)
-    check(q.stride(2) == 1, f"q must have a contiguous head_dim, got strides {q.stride()}")
+    check(q.stride(2) == 1, lambda: f"q must have a contiguous head_dim, got strides {q.stride()}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check(c.dim() == 3 and c.shape[2] == head_dim and c.stride(2) == 1,
-              f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
+              lambda: f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
               f"shape {tuple(c.shape)} strides {c.stride()}")
         check(c.dtype == q.dtype and c.device == q.device,
-              f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep the "
-              "KV cache in the model dtype")
-    check(heads % k_cache.shape[1] == 0, f"q has {heads} heads, not a multiple of the cache's "
-          f"{k_cache.shape[1]} KV heads")
+              lambda: f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep "
+              f"the KV cache in the model dtype")
+    check(heads % k_cache.shape[1] == 0, lambda: f"q has {heads} heads, not a multiple of the "
+          f"cache's {k_cache.shape[1]} KV heads")
     check(kv_indices.dim() == 1 and kv_indices.stride(0) == 1,
-          f"kv_indices must be 1-D contiguous, got shape {tuple(kv_indices.shape)}")
+          lambda: f"kv_indices must be 1-D contiguous, got shape {tuple(kv_indices.shape)}")
     check(q_starts.dim() == 1 and q_starts.shape[0] >= 1 and kv_starts.shape == q_starts.shape,
-          f"q_starts and kv_starts must be [requests + 1], got {tuple(q_starts.shape)} and "
+          lambda: f"q_starts and kv_starts must be [requests + 1], got {tuple(q_starts.shape)} and "
           f"{tuple(kv_starts.shape)}; build the batch with build_extend")
     for name, x in (("kv_indices", kv_indices), ("q_starts", q_starts), ("kv_starts", kv_starts)):
         check(x.dtype in (torch.int32, torch.int64) and x.device == q.device and
-              x.is_contiguous(), f"{name} must be contiguous int32/int64 on {q.device}, got "
-              f"{x.dtype} on {x.device}")
+              x.is_contiguous(), lambda: f"{name} must be contiguous int32/int64 on {q.device}, "
+              f"got {x.dtype} on {x.device}")
     block_m, block_n, num_warps, num_stages = tiles or TILES
     for name, b in (("block_m", block_m), ("block_n", block_n)):
-        check(b >= 16 and b & (b - 1) == 0, f"{name} must be a power of two >= 16, got {b}")
+        check(b >= 16 and b & (b - 1) == 0, lambda: f"{name} must be a power of two >= 16, got {b}")
     return _extend_attention_op(q, k_cache, v_cache, kv_indices, q_starts, kv_starts,
                                 float(sm_scale), block_m, block_n, num_warps, num_stages)

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.traced_op import traced_op
 
 
 @triton.jit
@@ -41,14 +43,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension)."""
     check_dtype("x", x)
-    check(x.dim() == 2 and x.stride(-1) == 1, f"x must be 2-D with contiguous rows, got shape "
-          f"{tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
-    check(weight.shape == (x.shape[1],), f"weight has shape {tuple(weight.shape)}, expected "
-          f"({x.shape[1]},) (the hidden size of x)")
+    check(x.dim() == 2 and x.stride(-1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
+          f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
+    check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
+          f"expected ({x.shape[1]},) (the hidden size of x)")
     if residual is None:
         return _rms_norm_op(x, weight, eps)
     check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,
-          f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
+          lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
           f"{tuple(residual.shape)}, {residual.dtype}")
     return _add_rms_norm_op(x, residual, weight, eps)
 
@@ -56,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _launch(x, residual, weight, eps, out, summed) -> None:
     if x.shape[0] == 0:
         return
-    block = triton.next_power_of_2(x.shape[1])
+    block = config.next_pow2(x.shape[1])
     res, s = (residual, summed) if residual is not None else (x, out)
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, s, x.shape[1], eps, x.stride(0), res.stride(0), out.stride(0),
@@ -68,7 +70,7 @@ def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
 
 
-@torch.library.custom_op("multilora::rms_norm", mutates_args=())
+@traced_op("multilora::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = _out(x, weight)
     _launch(x, None, weight, eps, out, None)
@@ -80,7 +82,7 @@ def _(x, weight, eps):
     return _out(x, weight)
 
 
-@torch.library.custom_op("multilora::add_rms_norm", mutates_args=())
+@traced_op("multilora::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     out, summed = _out(x, weight), torch.empty_like(x)

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.traced_op import traced_op
 
 
 @triton.jit
@@ -77,21 +79,22 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     t = qkv.shape[0]
     check(qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
           and qkv.stride(-1) == 1,
-          f"qkv has shape {tuple(qkv.shape)}; expected [T, {(heads + 2 * kv_heads) * head_dim}] "
-          f"with contiguous rows ({heads} q heads + 2 x {kv_heads} KV heads of {head_dim})")
-    check(head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {head_dim}")
+          lambda: f"qkv has shape {tuple(qkv.shape)}; expected "
+          f"[T, {(heads + 2 * kv_heads) * head_dim}] with contiguous rows ({heads} q heads + "
+          f"2 x {kv_heads} KV heads of {head_dim})")
+    check(head_dim % 2 == 0, lambda: f"head_dim must be even for rotary embeddings, got {head_dim}")
     check(v_cache.shape == k_cache.shape and k_cache.dtype == qkv.dtype == v_cache.dtype,
-          f"k_cache/v_cache must share shape and the dtype of qkv ({qkv.dtype}), got "
+          lambda: f"k_cache/v_cache must share shape and the dtype of qkv ({qkv.dtype}), got "
           f"{tuple(k_cache.shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
     check(k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
           and v_cache.stride(1) == head_dim and v_cache.stride(2) == 1,
           "k_cache/v_cache must hold each slot's heads contiguously")
     check(positions.shape == (t,) and cache_loc.shape == (t,),
-          f"positions and cache_loc must have one entry per token ({t}), got "
+          lambda: f"positions and cache_loc must have one entry per token ({t}), got "
           f"{tuple(positions.shape)} and {tuple(cache_loc.shape)}")
     check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == head_dim
           and cos.stride(1) == 1 and sin.stride() == cos.stride(),
-          f"cos/sin tables must be [positions, {head_dim}] with contiguous rows")
+          lambda: f"cos/sin tables must be [positions, {head_dim}] with contiguous rows")
     return _rope_kv_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads)
 
 
@@ -99,7 +102,7 @@ def _q(qkv: torch.Tensor, k_cache: torch.Tensor, heads: int) -> torch.Tensor:
     return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[2]))
 
 
-@torch.library.custom_op("multilora::rope_and_cache_kv", mutates_args=("k_cache", "v_cache"))
+@traced_op("multilora::rope_and_cache_kv", mutates_args=("k_cache", "v_cache"))
 def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, heads: int) -> torch.Tensor:
@@ -109,8 +112,8 @@ def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         _rope_kv_kernel[(t,)](
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
-            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+            BLOCK_H=config.next_pow2(heads), BLOCK_KV=config.next_pow2(kv_heads),
+            BLOCK_HALF=config.next_pow2(half), num_warps=4)
     return q
 
 

@@ -17,6 +17,7 @@ from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_dtype, check_layout, check_tables
 from kernels.segments import SegmentLayout
+from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
 
 
@@ -61,7 +62,7 @@ def _shrink_kernel(
         tl.store(out, acc, mask=mask)
 
 
-@torch.library.custom_op("multilora::shrink", mutates_args=())
+@traced_op("multilora::shrink", mutates_args=())
 def _shrink_op(
     x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, permutation: torch.Tensor,
     block_slots: torch.Tensor, block_starts: torch.Tensor, block_ends: torch.Tensor,
@@ -106,23 +107,23 @@ def lora_shrink(
     the column's index within its slice. ``split_k``, ``block_k``, ``num_warps`` override the
     launch heuristics (tests, tuning)."""
     check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, "lora_shrink")
-    check(x.dim() == 2 and x.stride(1) == 1, f"x must be 2-D with contiguous rows, got shape "
-          f"{tuple(x.shape)} strides {x.stride()}")
+    check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
+          f"shape {tuple(x.shape)} strides {x.stride()}")
     check_dtype("x", x)
     a = weights.lora_a
     check(not weights.is_embedding, "lora_shrink got embedding weights; use lora_embedding_shrink")
-    check(a.dtype == x.dtype, f"lora_a dtype {a.dtype} differs from x dtype {x.dtype}")
-    check(a.device == x.device, f"lora_a is on {a.device} but x is on {x.device}")
+    check(a.dtype == x.dtype, lambda: f"lora_a dtype {a.dtype} differs from x dtype {x.dtype}")
+    check(a.device == x.device, lambda: f"lora_a is on {a.device} but x is on {x.device}")
     check(a.dim() == 3 and a.shape[2] == x.shape[1],
-          f"lora_a must be [slots, slices*max_rank, {x.shape[1]}], got {tuple(a.shape)}")
+          lambda: f"lora_a must be [slots, slices*max_rank, {x.shape[1]}], got {tuple(a.shape)}")
     check(a.shape[1] == weights.num_slices * weights.max_rank,
-          f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
+          lambda: f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
           f"{weights.num_slices}*{weights.max_rank}")
     check_tables(weights.ranks, None, weights.num_slots, weights.num_slices, x.device)
     block_r = config.rank_block(weights.max_rank)
     block_k = block_k or config.shrink_k_block(block_r, x.shape[1])
     check(block_k >= 16 and block_k & (block_k - 1) == 0,
-          f"block_k must be a power of two >= 16, got {block_k}")
+          lambda: f"block_k must be a power of two >= 16, got {block_k}")
     programs = layout.block_slots.shape[0] * weights.num_slices
     splits, k_per_split = config.shrink_split(x.shape[1], block_k, programs, x.device, split_k)
     return _shrink_op(

@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.traced_op import traced_op
 
 BLOCK = 1024
 
@@ -30,7 +32,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gate_up [rows, 2 * inter]`` (gate first, then up) -> ``[rows, inter]``."""
     check_dtype("gate_up", gate_up)
     check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(-1) == 1,
-          f"gate_up must be [rows, 2 * intermediate] with contiguous rows, got shape "
+          lambda: f"gate_up must be [rows, 2 * intermediate] with contiguous rows, got shape "
           f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
     return _silu_mul_op(gate_up)
 
@@ -39,13 +41,13 @@ def _out(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
-@torch.library.custom_op("multilora::silu_mul", mutates_args=())
+@traced_op("multilora::silu_mul", mutates_args=())
 def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
     out = _out(gate_up)
     inter = out.shape[1]
     if gate_up.shape[0]:
-        block = min(BLOCK, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
+        block = min(BLOCK, config.next_pow2(inter))
+        _silu_mul_kernel[(gate_up.shape[0], config.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 

@@ -61,7 +61,12 @@ def _serve(w: EngineWorld, data, config: SchedulerConfig, max_requests: int) -> 
             if free:
                 eng.unload_adapter(data.draw(st.sampled_from(free)))
         _check_invariants(w, eng)
-        eng.step()
+        try:
+            eng.step()
+        except RuntimeError as e:  # pins took every slot a waiting request could use
+            assert "can never be admitted" in str(e) and eng.lora.pool.pinned, e
+            for name in list(eng.lora.pool.pinned):
+                eng.pin_adapter(name, False)  # the fix the message names; serving goes on
     for r in reqs:
         assert r.metrics.finish is not None and len(r.output) >= 1
         assert len(r.output) == r.max_new_tokens or r.output[-1] in r.stop_ids

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from lora_runtime.engine.forward_batch import (
@@ -16,6 +17,7 @@ from lora_runtime.engine.forward_batch import (
 )
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.metrics import RequestMetrics
+from lora_runtime.engine.slots import SlotList
 
 
 @dataclass(eq=False)
@@ -26,7 +28,8 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     """Generation ends after any of these tokens (it is kept in ``output``)."""
     output: list[int] = field(default_factory=list)
-    kv_slots: list[int] = field(default_factory=list)
+    kv_slots: SlotList = field(default_factory=SlotList)
+    """Assigning a list converts it (``r.kv_slots = kv.alloc(n)``)."""
     id: int = -1
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -35,6 +38,19 @@ class Request:
             raise ValueError("a request needs a non-empty prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def __setattr__(self, name, value) -> None:
+        if name == "kv_slots" and not isinstance(value, SlotList):
+            value = SlotList(value)
+        super().__setattr__(name, value)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
 
     @property
     def tokens(self) -> list[int]:
@@ -49,7 +65,7 @@ class Request:
     @property
     def uncached(self) -> int:
         """Tokens not yet in the KV cache: the rest of the prompt (prefill) or the last one."""
-        return len(self.tokens) - len(self.kv_slots)
+        return self.num_tokens - len(self.kv_slots)
 
     @property
     def prefilling(self) -> bool:
@@ -69,7 +85,8 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
     ids, pos, loc, token_req, kv_idx, kv_req, kv_pos, lens = [], [], [], [], [], [], [], []
     for i, r in enumerate(reqs):
         prefix = len(r.kv_slots)
-        new = r.tokens[prefix:]
+        new = (r.prompt[prefix:] + r.output) if prefix < len(r.prompt) \
+            else r.output[prefix - len(r.prompt):]
         if limits is not None:
             new = new[: limits[i]]
         if not new:
@@ -80,7 +97,7 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
         pos += range(prefix, prefix + len(new))
         loc += slots
         token_req += [i] * len(new)
-        kv_idx += r.kv_slots
+        kv_idx.append(r.kv_slots.array.copy())
         kv_req += [i] * len(r.kv_slots)
         kv_pos += range(len(r.kv_slots))
         lens.append(len(new))
@@ -90,7 +107,8 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
                                     device=device)
     return ForwardBatch(
         ForwardMode.EXTEND, t(ids), t(pos), t(loc), ends.to(device),
-        ExtendAttention(t(token_req), t(kv_idx), t(kv_req), t(kv_pos),
+        ExtendAttention(t(token_req), torch.from_numpy(np.concatenate(kv_idx)).to(device),
+                        t(kv_req), t(kv_pos),
                         starts(lens), starts(len(r.kv_slots) for r in reqs)),
         tuple(r.adapter for r in reqs), tuple(lens),
     )
@@ -99,20 +117,21 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
 def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
     """One token per request: the last sampled one, not yet in the cache."""
     for i, r in enumerate(reqs):
-        if len(r.kv_slots) != len(r.tokens) - 1:
-            raise ValueError(f"request {i} is not ready to decode: {len(r.tokens)} tokens, "
+        if len(r.kv_slots) != r.num_tokens - 1:
+            raise ValueError(f"request {i} is not ready to decode: {r.num_tokens} tokens, "
                              f"{len(r.kv_slots)} cached")
     slots = kv.alloc(len(reqs))
     for r, s in zip(reqs, slots, strict=True):
         r.kv_slots.append(s)
-    ctx = max((len(r.kv_slots) for r in reqs), default=1)
-    table = [r.kv_slots + [KVCache.SCRATCH] * (ctx - len(r.kv_slots)) for r in reqs]
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     bs = len(reqs)
+    lens = [len(r.kv_slots) for r in reqs]
+    table = np.full((bs, max(lens, default=1)), KVCache.SCRATCH, dtype=np.int64)
+    for row, r, n in zip(table, reqs, lens, strict=True):
+        row[:n] = r.kv_slots.array
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(
-        ForwardMode.DECODE, t([r.tokens[-1] for r in reqs]),
-        t([len(r.kv_slots) - 1 for r in reqs]), t(slots), t(list(range(bs))),
-        DecodeAttention(t(table).reshape(bs, ctx), t([len(r.kv_slots) for r in reqs])),
+        ForwardMode.DECODE, t([r.last_token for r in reqs]), t([n - 1 for n in lens]), t(slots),
+        t(list(range(bs))), DecodeAttention(torch.from_numpy(table).to(device), t(lens)),
         tuple(r.adapter for r in reqs), (1,) * bs,
     )
 
