@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+"""bf16: eager and graph pick different split-K for the LoRA shrink (fp32 atomics in another
+order); over 4 random-weight layers the one-ulp differences grow to a row error of 0.008-0.0205
+(H200, model suite, 2b40597). The greedy-token check below stays exact where the top-2 margin
+is clear."""
 BF16_MARGIN = 0.1
 
 
