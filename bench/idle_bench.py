@@ -107,8 +107,10 @@ def run_case(case: IdleCase, ctx: Context, pairs: RuntimePair) -> list[dict]:
         timed, kinds = {}, {}
         for (name, path), fn in fns.items():
             with nvtx_range(f"{path} {name} {case.label}"):
-                timed[(name, path)] = bench_time(fn, device=ctx.device, mode="events",
-                                                 reps=ctx.reps, warmup=3)
+                eager = path == "eager"
+                timed[(name, path)] = bench_time(
+                    fn, device=ctx.device, mode="latency" if eager else "events",
+                    reps=3 * ctx.reps if eager else ctx.reps, warmup=3)
             kinds[(name, path)] = None if path == "eager" else rts[name].last_kind
         return [make_row(case, ctx.profile, {"runtime": n, "path": p}, timing=t,
                          derived=_derived(case, rts[n], t, timed[("no_lora", p)], p, ctx)

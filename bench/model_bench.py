@@ -123,7 +123,8 @@ def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict
                       (lambda b=batch: rt.eager(b)) if path == "eager" else
                       (lambda b=batch: rt.step(b)))
                 with nvtx_range(f"{path} {traffic} {case.label}"):
-                    t = bench_time(fn, device=ctx.device, mode="events", reps=ctx.reps, warmup=3)
+                    t = bench_time(fn, device=ctx.device, reps=ctx.reps, warmup=3,
+                                   mode="latency" if path == "eager" else "events")
                 derived = _derived(case, rt, t, ctx, None if path == "eager" else rt.last_kind)
                 if path == "graph":
                     derived |= rt.capture_stats

@@ -46,14 +46,26 @@ def bench_time(
 ) -> Timing:
     """Time ``fn``, which performs ``calls`` logical calls (e.g. one per layer copy), and
     return microseconds per logical call. ``mode``: "graph" (``fn`` captured once into a CUDA
-    graph, replays timed with events) or "events" (eager calls between CUDA events)."""
+    graph, replays timed with events), "events" (eager calls between CUDA events; a host-bound
+    call's time mixes with the queue it runs ahead of) or "latency" (wall clock of each call
+    to the end of its device work: what a host-bound eager step costs its caller)."""
     if device.type != "cuda":
         return _wall(fn, calls, warmup=min(warmup, 1), reps=reps)
     if mode == "graph":
         return _graph(fn, calls, warmup, reps)
     if mode == "events":
         return _events(fn, calls, warmup, reps)
-    raise ValueError(f"mode must be 'graph' or 'events', got {mode!r}")
+    if mode == "latency":
+        return _wall(_synced(fn, device), calls, warmup, reps)
+    raise ValueError(f"mode must be 'graph', 'events' or 'latency', got {mode!r}")
+
+
+def _synced(fn, device):
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+
+    return run
 
 
 def _wall(fn, calls, warmup, reps) -> Timing:
