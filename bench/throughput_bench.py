@@ -2,12 +2,14 @@
 adapter counts and popularities: output tokens/s, requests/s, TTFT and TPOT (p50, p99),
 joules per token (NVML), LoRA throughput as a % of the base model's on the same workload.
 
-Each case serves its workload twice on one runtime with captured decode graphs: a warm-up
-pass, then the timed pass. Verification: every request produced all its tokens, and the timed
-pass repeats the warm-up's tokens (greedy, same schedule: a replay that read stale metadata
-after the slot churn of the first pass would change them) up to a near-tie: a request may
-diverge only at a token whose top-2 logit margin in the warm-up was within ``TIE`` (the
-split-K shrink adds in fp32 with atomics, so bf16 logits move by an ulp between runs)."""
+Each case serves its workload on one runtime with captured decode and prefill graphs (prefill
+buckets by token count up to the step's budget, continuations of chunked prompts included): a
+warm-up pass, then ``TIMED_PASSES`` timed passes. Verification: every request produced all
+its tokens, and every timed pass repeats the warm-up's tokens (greedy, same schedule: a replay
+that read stale metadata after the slot churn of the first pass would change them) up to a
+near-tie: a request may diverge only at a token whose top-2 logit margin in the warm-up was
+within ``TIE`` (the split-K shrink adds in fp32 with atomics, so bf16 logits move by an ulp
+between runs)."""
 
 from __future__ import annotations
 
@@ -80,13 +82,16 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
     max_batch = min(32, case.requests)
     kv = KVCache(config, max_batch * (prompt + output) + 64, dtype, device)
     runner = ModelRunner(model, kv, lora)
-    buckets = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch]
-    graphs = [GraphRunner.decode(runner, buckets, prompt + output + 8).capture()]
+    buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch] + [max_batch]
+    sched = SchedulerConfig(max_batch_size=max_batch)
+    graphs = [GraphRunner.decode(runner, buckets, prompt + output + 8).capture(),
+              GraphRunner.prefill(runner, prefill_buckets(prompt, max_batch,
+                                                          sched.max_step_tokens),
+                                  max_batch, max_prefix=prompt).capture()]
     workload = make_workload(spec, config.vocab_size)
     passes, margins, walls, runs = [], {}, [], []
     for timed in (False, *([True] * TIMED_PASSES)):
-        engine = Engine(runner, SchedulerConfig(max_batch_size=max_batch), graphs,
-                        keep_logits=not timed)
+        engine = Engine(runner, sched, graphs, keep_logits=not timed)
         if timed:
             with ctx.telemetry.span() as rec:
                 t0 = engine.clock()
@@ -120,6 +125,17 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
     }
     return make_row(case, ctx.profile, {}, timing=Timing([w * 1e6 for w in walls], "wall"),
                     derived=derived, telemetry=rec or None, verification=verification)
+
+
+def prefill_buckets(prompt: int, max_batch: int, max_step_tokens: int) -> list[int]:
+    """Token buckets of the prefill graphs: powers of two from one prompt up to the step's
+    token budget (a chunked prompt's tail, or several prompts, fit the next one up)."""
+    top = min(max_step_tokens, prompt * max_batch)
+    sizes, b = [], 1 << max(0, (prompt - 1).bit_length())
+    while b < top:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, top]
 
 
 def _step_p50(timeline, mode: str) -> float | None:

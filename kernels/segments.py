@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -104,14 +105,15 @@ class SegmentLayout:
         # Each part starts 16-byte aligned: Triton specialises kernels on pointer alignment,
         # so offsets that moved with the batch's row count compiled new variants mid-serving.
         sizes = [t, t, nb, nb, nb]
-        aligned, at = [], 0
-        for n in sizes:
-            aligned += host[at : at + n] + [0] * (-n % _ALIGN)
-            at += n
-        buf = torch.tensor(aligned, dtype=torch.int32).to(device)
         starts = [0]
         for n in sizes[:-1]:
             starts.append(starts[-1] + n + (-n % _ALIGN))
+        aligned = np.zeros(starts[-1] + sizes[-1] + (-sizes[-1] % _ALIGN), dtype=np.int32)
+        at = 0
+        for o, n in zip(starts, sizes, strict=True):
+            aligned[o : o + n] = host[at : at + n]
+            at += n
+        buf = torch.from_numpy(aligned).to(device)
         parts = [buf[o : o + n] for o, n in zip(starts, sizes, strict=True)]
         return SegmentLayout(*parts, block_m=plan.block_m)
 
@@ -119,24 +121,29 @@ class SegmentLayout:
 _ALIGN = 4  # int32 entries in 16 bytes
 
 
-def _pack(plan: SegmentPlan | None, rows: int, blocks: int, neutral_slot: int) -> list[int]:
+def _pack(plan: SegmentPlan | None, rows: int, blocks: int, neutral_slot: int,
+          out: np.ndarray | None = None) -> np.ndarray:
+    """The five parts back to back (slots, permutation, block slots, starts, ends), each
+    padded to ``rows`` or ``blocks`` entries (neutral slot, identity rows, empty blocks);
+    written into ``out`` when given."""
     n = 0 if plan is None else plan.num_rows
     used = 0 if plan is None else len(plan.blocks)
     if n > rows or used > blocks:
         raise ValueError(
             f"batch needs {n} rows and {used} blocks but the layout holds {rows} and {blocks}"
         )
-    slots = ([] if plan is None else plan.token_slots) + [neutral_slot] * (rows - n)
-    perm = ([] if plan is None else plan.permutation) + list(range(n, rows))
-    table = [] if plan is None else plan.blocks
-    pad = blocks - used
-    return (
-        slots
-        + perm
-        + [b[0] for b in table] + [neutral_slot] * pad
-        + [b[1] for b in table] + [0] * pad
-        + [b[2] for b in table] + [0] * pad
-    )
+    out = np.empty(2 * rows + 3 * blocks, dtype=np.int32) if out is None else out
+    slots, perm, tab = out[:rows], out[rows : 2 * rows], out[2 * rows :].reshape(3, blocks)
+    if n:
+        slots[:n] = plan.token_slots
+        perm[:n] = plan.permutation
+    if used:
+        tab[:, :used] = np.asarray(plan.blocks, dtype=np.int32).T
+    slots[n:] = neutral_slot
+    perm[n:] = np.arange(n, rows, dtype=np.int32)
+    tab[0, used:] = neutral_slot
+    tab[1:, used:] = 0
+    return out
 
 
 class StaticSegmentLayout:
@@ -158,12 +165,19 @@ class StaticSegmentLayout:
         self._staging = torch.zeros(self._buf.shape, dtype=torch.int32,
                                     pin_memory=self._buf.is_cuda)
         self._copied = torch.cuda.Event() if self._buf.is_cuda else None
+        self._views: dict[int, SegmentLayout] = {}
         self.write(None, max_rows)
 
     def blocks_for(self, rows: int) -> int:
         return max_blocks(rows, self.block_m, self.num_slots)
 
     def view(self, rows: int) -> SegmentLayout:
+        """The same object for the same ``rows`` (the buffer never moves)."""
+        if rows not in self._views:
+            self._views[rows] = self._make_view(rows)
+        return self._views[rows]
+
+    def _make_view(self, rows: int) -> SegmentLayout:
         self._check_rows(rows)
         nb = self.blocks_for(rows)
         sizes = [rows, rows, nb, nb, nb]
@@ -183,11 +197,10 @@ class StaticSegmentLayout:
                 f"{rows}-row view holds {rows} and {self.blocks_for(rows)}"
             )
         cap_rows, cap_blocks = self.max_rows, self.blocks_for(self.max_rows)
-        host = _pack(plan, cap_rows, cap_blocks, self.neutral_slot)
         if self._copied is not None:
             # Hazard: the last asynchronous copy may still be reading the staging buffer.
             self._copied.synchronize()
-        self._staging.numpy()[:] = host
+        _pack(plan, cap_rows, cap_blocks, self.neutral_slot, out=self._staging.numpy())
         self._buf.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
