@@ -39,6 +39,8 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
         lambda: f"{what}: the prepared LoRA metadata covers {layout.num_rows} rows but the input "
         f"has {rows}. The metadata is stale: prepare (or reset) the LoRA batch for this forward",
     )
+    if layout.checked_on == device:
+        return
     for name in ("token_slots", "permutation", "block_slots", "block_starts", "block_ends"):
         t = getattr(layout, name)
         check(
@@ -46,6 +48,7 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
             lambda: f"{what}: layout.{name} must be contiguous int32 on {device}, got {t.dtype} on "
             f"{t.device}",
         )
+    layout.checked_on = device
 
 
 def check_tables(weights_ranks: torch.Tensor, scalings: torch.Tensor | None, num_slots: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -92,6 +92,9 @@ class SegmentLayout:
     block_starts: torch.Tensor
     block_ends: torch.Tensor
     block_m: int
+    checked_on: torch.device | None = field(default=None, compare=False, repr=False)
+    """Set by ``kernels.checks.check_layout`` once the five tensors passed its checks there
+    (their dtype, device and contiguity never change: the buffer is never replaced)."""
 
     @property
     def num_rows(self) -> int:
