@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from bench.base_step_suite import decode_batch
 from bench.hardware import Ceilings, measure
 from bench.step_floor import StepFloor
 from bench.timing import bench_time
 from graphs import GraphRunner
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request, build_decode
 from lora_runtime.model.backend import use_base_backend
 from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
@@ -48,10 +48,7 @@ def run_base_step(device: torch.device, dtype: torch.dtype, *, preset: str = "ll
             with use_base_backend(backend):
                 graphs = GraphRunner.decode(runner, list(batch_sizes), ctx + 8).capture()
             for bs in batch_sizes:
-                reqs = [Request([1] * ctx, None, 4) for _ in range(bs)]
-                for r in reqs:
-                    r.kv_slots = kv.alloc(ctx - 1)
-                batch = build_decode(reqs, kv, device)
+                reqs, batch = decode_batch(kv, bs, ctx, device)
                 graphs.replay(batch)  # refreshes the static buffers
                 replay = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))].replay
                 t = bench_time(replay, device=device, mode="events", reps=reps, warmup=3)
