@@ -35,7 +35,6 @@ def shard_mlp(model: LlamaForCausalLM, dp: DPGroup) -> LlamaForCausalLM:
         rows = torch.cat([gu[lo:hi], gu[full + lo : full + hi]])
         mlp.gate_up_proj = _linear(rows)
         mlp.down_proj = _linear(mlp.down_proj.weight[:, lo:hi])
-        mlp.intermediate = hi - lo
         mlp.dp = dp
     return model
 

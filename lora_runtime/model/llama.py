@@ -17,9 +17,9 @@ from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, silu_mul
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
         self.dp: DPGroup | None = None
         """Set by ``lora_runtime.dp.shard.shard_mlp``: this rank holds 1/size of the
         intermediate dimension and runs on the rows gathered from every rank."""
