@@ -33,6 +33,9 @@ from bench.timing import bench_time
 from lora_runtime.nvtx import nvtx_range
 
 RUNTIMES = ("no_lora", "lora")
+EAGER_REPS = 3
+"""Eager forwards are timed this many times the profile's repetitions: their latency on a
+shared host swings more than a replay's."""
 PATHS = ("eager", "graph")
 IDLE_BUCKET = 1
 
@@ -110,7 +113,7 @@ def run_case(case: IdleCase, ctx: Context, pairs: RuntimePair) -> list[dict]:
                 eager = path == "eager"
                 timed[(name, path)] = bench_time(
                     fn, device=ctx.device, mode="latency" if eager else "events",
-                    reps=3 * ctx.reps if eager else ctx.reps, warmup=3)
+                    reps=EAGER_REPS * ctx.reps if eager else ctx.reps, warmup=3)
             kinds[(name, path)] = None if path == "eager" else rts[name].last_kind
         return [make_row(case, ctx.profile, {"runtime": n, "path": p}, timing=t,
                          derived=_derived(case, rts[n], t, timed[("no_lora", p)], p, ctx)
