@@ -97,18 +97,18 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
         pos += range(prefix, prefix + len(new))
         loc += slots
         token_req += [i] * len(new)
-        kv_idx.append(r.kv_slots.array.copy())
+        kv_idx.append(r.kv_slots.array)  # concatenated (copied) below, before any change
         kv_req += [i] * len(r.kv_slots)
         kv_pos += range(len(r.kv_slots))
         lens.append(len(new))
     ends = torch.tensor(lens).cumsum(0) - 1
+    kv_table = np.concatenate(kv_idx) if kv_idx else np.zeros(0, dtype=np.int64)
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     starts = lambda x: torch.tensor(list(accumulate(x, initial=0)), dtype=torch.int32,  # noqa: E731
                                     device=device)
     return ForwardBatch(
         ForwardMode.EXTEND, t(ids), t(pos), t(loc), ends.to(device),
-        ExtendAttention(t(token_req), torch.from_numpy(np.concatenate(kv_idx)).to(device),
-                        t(kv_req), t(kv_pos),
+        ExtendAttention(t(token_req), torch.from_numpy(kv_table).to(device), t(kv_req), t(kv_pos),
                         starts(lens), starts(len(r.kv_slots) for r in reqs)),
         tuple(r.adapter for r in reqs), tuple(lens),
     )
