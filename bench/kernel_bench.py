@@ -3,8 +3,12 @@ module's base GEMM, each timed inside a CUDA graph over enough distinct weight c
 they do not sit in L2, and each next to its bytes/FLOP floor. A case is first checked
 against an fp32 computation; a case that fails the check is reported as failed, not timed.
 
-Rows: one per provider (``triton``, ``triton_shrink``, ``triton_expand``, ``torch``, ``base``);
-derived: ``x_floor``, ``achieved_gbps``, ``pct_of_base``, ``base_us``, the floors, ``copies``.
+Rows: one per provider (``triton``, ``triton_shrink``, ``triton_expand``, ``torch``, ``base``,
+and the whole module, base GEMM plus LoRA in one graph: ``module`` as the runtime schedules
+it, ``module_beside`` / ``module_delta`` / ``module_serial`` forcing a schedule of
+``lora_runtime.lora.linear_schedule``); derived:
+``x_floor``, ``achieved_gbps``, ``pct_of_base``, ``base_us``, the floors, ``copies``, and on
+module rows ``lora_added_pct``: what LoRA adds to the module's time, as a share of the GEMM's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from bench.results import make_row
 from bench.timing import bench_time
 from kernels import LoRAWeights, SegmentLayout, lora_expand, lora_shrink, plan_segments
 from kernels.reference import expand_reference, shrink_reference
+from lora_runtime.lora.linear_schedule import lora_linear
 from lora_runtime.model.config import PRESETS, ModuleShape
 from lora_runtime.nvtx import nvtx_range
 
@@ -119,17 +124,22 @@ def run_case(case: KernelCase, ctx: Context) -> list[dict]:
     plan = plan_segments(slots, lens, block_m=case.block_m)
     layout = SegmentLayout.from_plan(plan, ctx.device)
     try:
+        provider = "triton"
         results, errors = _time_lora(case, layout, plan.token_slots, ctx)
+        provider = "module"
+        module, errors["module"] = _time_module(case, layout, plan.token_slots, ctx)
+        results.update(module)
     except VerificationError as e:
-        return [make_row(case, ctx.profile, {"provider": "triton"},
+        return [make_row(case, ctx.profile, {"provider": provider},
                          verification={"status": "failed", "error": str(e)})]
     results["base"] = _time_base(case, ctx)
     base_us = results["base"][0].median_us
     fl = floors(case)
+    fl["module"] = tuple(b + lo for b, lo in zip(fl["base"], fl["lora"], strict=True))
     rows = []
     for name, (timing, copies) in results.items():
-        kind = {"triton_shrink": "shrink", "triton_expand": "expand", "base": "base"}.get(
-            name, "lora")
+        kind = {"triton_shrink": "shrink", "triton_expand": "expand", "base": "base",
+                }.get(name, "module" if name.startswith("module") else "lora")
         nbytes, flops = fl[kind]
         ceil = ctx.ceilings
         floor_us = max(nbytes / (ceil.copy_gbps * 1e3), flops / (ceil.matmul_tflops * 1e6))
@@ -140,6 +150,9 @@ def run_case(case: KernelCase, ctx: Context) -> list[dict]:
             "achieved_gbps": nbytes / (med * 1e3) if med else None,
             "base_us": base_us, "pct_of_base": 100 * med / base_us if base_us else None,
         }
+        if kind == "module":
+            derived["lora_added_pct"] = 100 * (med - base_us) / base_us if base_us else None
+            derived["pct_of_base"] = None
         ver = {"status": "verified", "error": None,
                "max_rel_err": errors.get(name.split("_")[0])}
         rows.append(make_row(case, ctx.profile, {"provider": name}, timing=timing,
@@ -192,6 +205,48 @@ def _time_base(case, ctx):
         timing = bench_time(lambda: [torch.mm(x, w.t(), out=y) for x, w, y in each],
                             device=device, calls=copies, reps=reps)
     return timing, copies
+
+
+def _time_module(case, layout, token_slots, ctx):
+    """Base GEMM + LoRA per weight copy, as ``BaseBackend.linear`` runs it in a graph."""
+    device, reps = ctx.device, ctx.reps
+    k, n = case.shape.in_features, case.shape.out_features
+    fl = floors(case)
+    copies = copies_for(fl["base"][0] + fl["lora"][0], ctx.ceilings.l2_bytes, device)
+    each = [
+        (torch.randn(case.tokens, k, dtype=case.dtype, device=device),
+         torch.randn(n, k, dtype=case.dtype, device=device) * k**-0.5,
+         torch.empty(case.tokens, n, dtype=case.dtype, device=device),
+         make_weights(case, device))
+        for _ in range(copies)
+    ]
+
+    last = {}
+
+    def module(schedule: str | None):
+        for x, w, y, lw in each:
+            last["y"] = lora_linear(
+                lambda v, w=w, y=y: torch.mm(v, w.t(), out=y), x,
+                lambda v, lw=lw: lora_shrink(v, lw, layout),
+                lambda a, out, lw=lw: lora_expand(a, lw, out, layout), n, schedule)
+
+    x, w, _, lw = each[-1]
+    want = torch.mm(x, w.t()).float() + lora_delta_fp32(x, lw, token_slots)
+    out, worst = {}, 0.0
+    # module: as the runtime schedules it (schedule_for); the others force a schedule.
+    for name, schedule in (("module", None), ("module_beside", "beside"),
+                           ("module_delta", "delta"), ("module_serial", "serial")):
+        with nvtx_range(f"{name} {case.label}"):
+            out[name] = (bench_time(lambda s=schedule: module(s), device=device, calls=copies,
+                                    reps=reps), copies)
+        # The graph's last replay left the last copy's base + LoRA in its output: a branch
+        # joined too late shows up here.
+        err = (last["y"].float() - want).norm() / want.norm()
+        if not err <= CHECK_TOL[case.dtype]:
+            raise VerificationError(f"{case.label}: {name} output differs from base + LoRA "
+                                    f"in fp32: relative error {err:.3g}")
+        worst = max(worst, err.item())
+    return out, worst
 
 
 def _gather_bytes(case: KernelCase) -> int:

@@ -64,7 +64,11 @@ def model_cases(profile: str) -> list[model_bench.ModelCase]:
         return (model_bench.cases("decode", "llama3-8b", 4, 256, (1, 8, 32, 64, 256), runtimes,
                                   "triton", dt)
                 + model_bench.cases("prefill", "llama3-8b", 4, 256, (1, 4, 8),
-                                    [runtimes[i] for i in (0, 2, 3, 4, 7)], "triton", dt))
+                                    [runtimes[i] for i in (0, 2, 3, 4, 7)], "triton", dt)
+                # Full depth at context 512, 8 adapters r=16: the decode-step ratio of the
+                # performance issue, against the fast base step.
+                + model_bench.cases("decode", "llama3-8b", 32, 512, (1, 16, 64, 256),
+                                    [(0, ()), (8, (16,))], "triton", dt))
     if profile == "gpu-quick":
         return (model_bench.cases("decode", "llama3-8b", 2, 128, (1, 32),
                                   [(0, ()), (4, (16,)), (4, (8, 16, 64))], "triton", dt)

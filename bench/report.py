@@ -138,6 +138,8 @@ def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None) -> 
         _table(*table.model_cells(model_rows)) if model_rows else "<p>No model rows.</p>",
         "<h2>LoRA % of base vs tokens</h2>", _figs_html(charts.kernel_pct_of_base(rows),
                                                         "No kernel rows."),
+        "<h2>What LoRA adds to a module in a graph</h2>",
+        _figs_html(charts.kernel_added_to_module(rows), "No module rows."),
         "<h2>x floor</h2>", _figs_html(charts.kernel_x_floor(rows), "No kernel rows."),
         "<h2>Graph vs eager</h2>", _figs_html(charts.model_graph_vs_eager(rows),
                                               "No model rows."),

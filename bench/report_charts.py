@@ -33,8 +33,9 @@ def _lines(fig: go.Figure, series: dict, sort=True) -> go.Figure:
     return fig
 
 
-def _kernel_by_module(rows, field: str, title: str, y: str, log_y=False) -> list[go.Figure]:
-    tri = [r for r in rows if r["suite"] == "kernels" and r.get("provider") == "triton"
+def _kernel_by_module(rows, field: str, title: str, y: str, log_y=False,
+                      provider="triton") -> list[go.Figure]:
+    tri = [r for r in rows if r["suite"] == "kernels" and r.get("provider") == provider
            and r.get("stats")]
     figs = []
     for module in dict.fromkeys(r["module"] for r in tri):
@@ -51,6 +52,12 @@ def _kernel_by_module(rows, field: str, title: str, y: str, log_y=False) -> list
 def kernel_pct_of_base(rows) -> list[go.Figure]:
     return _kernel_by_module(rows, "pct_of_base", "LoRA time as % of the base GEMM",
                              "LoRA % of base", log_y=True)
+
+
+def kernel_added_to_module(rows) -> list[go.Figure]:
+    return _kernel_by_module(rows, "lora_added_pct",
+                             "What LoRA adds to the module in a graph (shrink beside the GEMM)",
+                             "LoRA adds, % of base", provider="module")
 
 
 def kernel_x_floor(rows) -> list[go.Figure]:

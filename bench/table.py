@@ -43,9 +43,17 @@ def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         out.append([m, str(t), str(a), str(rk), fmt(_med(tri)), fmt(d.get("x_floor"), ".3g"),
                     fmt(d.get("achieved_gbps"), ".0f"), fmt(_med(p.get("triton_shrink"))),
                     fmt(_med(p.get("triton_expand"))), fmt(_med(p.get("torch"))),
-                    fmt(_med(p.get("base"))), fmt(d.get("pct_of_base"), ".3g") + "%"])
+                    fmt(_med(p.get("base"))), fmt(d.get("pct_of_base"), ".3g") + "%",
+                    _added(p.get("module")), _added(p.get("module_serial"))])
     return (["module", "T", "adapters", "r", "LoRA us", "x floor", "GB/s", "shrink us",
-             "expand us", "torch ref us", "base GEMM us", "LoRA % of base"], out)
+             "expand us", "torch ref us", "base GEMM us", "LoRA % of base",
+             "module: LoRA adds", "one stream: adds"], out)
+
+
+def _added(row: dict | None) -> str:
+    """A module row's ``lora_added_pct`` (what LoRA adds to the GEMM, in one graph)."""
+    value = None if not row else row.get("derived", {}).get("lora_added_pct")
+    return "-" if value is None else fmt(value, ".3g") + "%"
 
 
 MODEL_HEADERS = ["model", "bs", "adapters", "r", "eager, no LoRA", "graph step, no-LoRA runtime",

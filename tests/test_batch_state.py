@@ -47,8 +47,8 @@ def test_idle_batch_resets_and_idle_forward_runs_no_lora(runner, monkeypatch):
     runner.forward_eager(_lora_batch(runner))
     idle = ForwardBatch.idle(runner.lora, DEVICE)
     assert runner.lora.backend.batch_info is None, "building an idle batch must reset"
-    monkeypatch.setattr(runner.lora.backend, "run_linear", _forbidden)
-    monkeypatch.setattr(runner.lora.backend, "run_embedding", _forbidden)
+    for name in ("linear", "run_linear", "run_embedding", "shrink", "expand"):
+        monkeypatch.setattr(runner.lora.backend, name, _forbidden)
     logits = runner.forward_eager(idle)
     assert logits.shape == (0, CFG.vocab_size)
 

@@ -20,7 +20,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits (float32) of ``batch.logits_rows``."""
+        """Logits (the model's dtype) of ``batch.logits_rows``."""
         if self.lora is not None and (batch.mode is not ForwardMode.IDLE
                                       or batch.gathered is not None):
             self.lora.prepare_lora_batch(batch)

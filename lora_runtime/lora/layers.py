@@ -34,10 +34,9 @@ class LoRALayer(nn.Module):
 
 class LinearWithLoRA(LoRALayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self.lora_active:
-            self.backend.run_linear(x.contiguous(), y, self.lora, self.rows)
-        return y
+        if not self.lora_active:
+            return self.base(x)
+        return self.backend.linear(self.base, x.contiguous(), self.lora, self.rows)
 
 
 class ColumnLinearWithLoRA(LinearWithLoRA):

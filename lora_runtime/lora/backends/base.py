@@ -11,12 +11,14 @@ Contract (README, "Contracts"):
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels import LoRAWeights, SegmentLayout, StaticSegmentLayout
 from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
+from lora_runtime.lora.linear_schedule import lora_linear
 
 
 class RowSet(enum.Enum):
@@ -87,6 +89,15 @@ class LoRABackend:
         """``y += LoRA(x)`` in place for the rows of the prepared batch."""
         layout = self._layout(rows, "run_linear")
         self.expand(self.shrink(x, weights, layout), weights, y, layout)
+
+    def linear(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
+        """``base(x) + LoRA(x)`` for the rows of the prepared batch; inside a graph capture
+        the LoRA kernels run beside the base GEMM (``linear_schedule``)."""
+        layout = self._layout(rows, "linear")
+        return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
+                           lambda a, y: self.expand(a, weights, y, layout),
+                           weights.lora_b.shape[1])
 
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
                       weights: LoRAWeights) -> None:

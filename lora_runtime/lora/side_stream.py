@@ -1,0 +1,60 @@
+"""Two independent pieces of work as two branches of a CUDA graph.
+
+While the current stream is capturing, ``run_beside`` forks a side stream from it, runs
+``side`` there and ``main`` on the current stream, and joins the side stream back before
+returning: the captured graph gets two parallel branches and a join, and a replay runs them
+concurrently (the LoRA shrink next to the base GEMM it does not depend on). Outside a capture
+(eager, CPU, traced graphs) both run in order on the current stream: in eager the stream
+switches would cost more host time than the overlap saves.
+
+Hazard (allocator): what ``side`` allocates belongs to the side stream. That is safe only
+because every fork first makes the side stream wait for the current one: a block freed after
+its last use on the current stream is reused on the side stream only after that use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+S = TypeVar("S")
+M = TypeVar("M")
+
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def enabled() -> bool:
+    """``MULTILORA_SIDE_STREAM=0`` turns the fork off (A/B measurements, debugging)."""
+    return os.environ.get("MULTILORA_SIDE_STREAM", "1") != "0"
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _streams:
+        # Highest priority: the side branch is short and the join waits for it, so its blocks
+        # should take SMs as the main branch's blocks retire. (Out-of-range priorities are
+        # clamped to the device's highest.)
+        _streams[index] = torch.cuda.Stream(device=index, priority=-100)
+    return _streams[index]
+
+
+def forking(device: torch.device) -> bool:
+    return device.type == "cuda" and enabled() and torch.cuda.is_current_stream_capturing()
+
+
+def run_beside(side: Callable[[], S], main: Callable[[], M],
+               device: torch.device) -> tuple[S, M]:
+    """``(side(), main())``; under a CUDA graph capture the two run as parallel branches."""
+    if not forking(device):
+        return side(), main()
+    current = torch.cuda.current_stream(device)
+    branch = _side_stream(device)
+    branch.wait_stream(current)
+    with torch.cuda.stream(branch):
+        side_out = side()
+    main_out = main()
+    current.wait_stream(branch)
+    return side_out, main_out

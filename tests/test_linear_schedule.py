@@ -1,0 +1,106 @@
+"""LoRA linears in every schedule (``linear_schedule``): the same output as the in-place
+expand, bit for bit, and base + LoRA against float64; on the GPU, inside CUDA graphs whose
+side branch must be joined before the output is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from float64_reference import TOL, lora_delta_f64, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import linear_cases
+
+from kernels import lora_expand, lora_shrink
+from kernels.reference import expand_reference, shrink_reference
+from lora_runtime.lora.linear_schedule import lora_linear, schedule_for
+
+SCHEDULES = ("serial", "beside", "delta")
+KERNELS = {
+    "triton": (lambda x, c: lora_shrink(x, c.weights, c.layout),
+               lambda a, y, c: lora_expand(a, c.weights, y, c.layout)),
+    "torch": (lambda x, c: shrink_reference(x, c.weights, c.layout),
+              lambda a, y, c: expand_reference(a, c.weights, y, c.layout)),
+}
+
+
+def _problem(case, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows, k = len(case.token_slots), case.weights.lora_a.shape[2]
+    n = case.weights.lora_b.shape[1]
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    return x, w
+
+
+def _run(kernels, case, x, w, schedule):
+    shrink, expand = kernels
+    return lora_linear(lambda v: v @ w.t(), x, lambda v: shrink(v, case),
+                       lambda a, y: expand(a, y, case), w.shape[0], schedule)
+
+
+@pytest.mark.parametrize("provider", list(KERNELS))
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@settings(max_examples=15)
+@given(data=st.data())
+def test_every_schedule_gives_the_in_place_result(provider, dtype, data):
+    case = data.draw(linear_cases(dtype, DEVICE))
+    x, w = _problem(case, dtype, data.draw(st.integers(0, 2**31)))
+    serial = _run(KERNELS[provider], case, x, w, "serial")
+    want = (x.double() @ w.double().t()) + lora_delta_f64(x, case.weights, case.token_slots)
+    assert rel_err(serial, want) < TOL[dtype]
+    for schedule in SCHEDULES[1:]:
+        got = _run(KERNELS[provider], case, x, w, schedule)
+        # delta is float32 and added in float32: y is rounded once, like the in-place expand.
+        assert torch.equal(got, serial), f"{schedule} differs from the in-place expand"
+
+
+def test_unknown_schedule_names_the_choices():
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="'delta', 'beside' or 'serial'"):
+        lora_linear(lambda v: v, x, lambda v: v, lambda a, y: None, 3, "overlap")
+
+
+def test_outside_a_capture_everything_runs_in_order():
+    assert schedule_for(torch.ones(1, 4, device=DEVICE)) == "serial"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graph branches need a GPU")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_graph_branches_join_before_the_output_is_read(schedule, rows):
+    """Replays over new inputs must equal eager: a side branch joined too late (or not at all)
+    leaves the GEMM's output without its LoRA term, or races it."""
+    from kernel_cases import Case
+
+    from kernels import LoRAWeights, SegmentLayout, plan_segments
+
+    dtype = torch.bfloat16
+    k, widths, slots = 1024, [2048, 512, 512], 4
+    weights = LoRAWeights.for_linear(slots, k, widths, 16, dtype, DEVICE)
+    weights.lora_a.normal_(0, k**-0.5)
+    weights.lora_b.normal_(0, 0.25)
+    weights.ranks[:slots] = torch.tensor([[16, 8, 0], [4, 16, 16], [0, 0, 0], [16, 16, 16]],
+                                         dtype=torch.int32)
+    weights.scalings[:slots] = 2.0
+    token_slots = [t % (slots + 1) for t in range(rows)]  # the neutral slot included
+    layout = SegmentLayout.from_plan(plan_segments(token_slots, None, block_m=16,
+                                                   skip_slot=slots), DEVICE)
+    case = Case(weights, layout, token_slots, None)
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(sum(widths), k, dtype=dtype, device=DEVICE) * k**-0.5
+    graph = torch.cuda.CUDAGraph()
+    out = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run(KERNELS["triton"], case, x, w, schedule)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out["y"] = _run(KERNELS["triton"], case, x, w, schedule)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = _run(KERNELS["triton"], case, x, w, "serial")
+        torch.testing.assert_close(out["y"], want)
