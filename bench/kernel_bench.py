@@ -5,8 +5,8 @@ against an fp32 computation; a case that fails the check is reported as failed, 
 
 Rows: one per provider (``triton``, ``triton_shrink``, ``triton_expand``, ``torch``, ``base``,
 and the whole module, base GEMM plus LoRA in one graph: ``module`` as the runtime schedules
-it, ``module_beside`` / ``module_delta`` / ``module_serial`` forcing a schedule of
-``lora_runtime.lora.linear_schedule``); derived:
+it (``lora_runtime.lora.linear_schedule``: the shrink beside the GEMM), ``module_serial`` in
+one stream); derived:
 ``x_floor``, ``achieved_gbps``, ``pct_of_base``, ``base_us``, the floors, ``copies``, and on
 module rows ``lora_added_pct``: what LoRA adds to the module's time, as a share of the GEMM's.
 """
@@ -228,14 +228,13 @@ def _time_module(case, layout, token_slots, ctx):
             last["y"] = lora_linear(
                 lambda v, w=w, y=y: torch.mm(v, w.t(), out=y), x,
                 lambda v, lw=lw: lora_shrink(v, lw, layout),
-                lambda a, out, lw=lw: lora_expand(a, lw, out, layout), n, schedule)
+                lambda a, out, lw=lw: lora_expand(a, lw, out, layout), schedule)
 
     x, w, _, lw = each[-1]
     want = torch.mm(x, w.t()).float() + lora_delta_fp32(x, lw, token_slots)
     out, worst = {}, 0.0
     # module: as the runtime schedules it (schedule_for); the others force a schedule.
-    for name, schedule in (("module", None), ("module_beside", "beside"),
-                           ("module_delta", "delta"), ("module_serial", "serial")):
+    for name, schedule in (("module", None), ("module_serial", "serial")):
         with nvtx_range(f"{name} {case.label}"):
             out[name] = (bench_time(lambda s=schedule: module(s), device=device, calls=copies,
                                     reps=reps), copies)

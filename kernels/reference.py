@@ -48,7 +48,7 @@ def expand_reference(
 ) -> None:
     slots, rows_w = _row_slots(weights, layout)
     mask = _rank_mask(weights, slots)
-    a = torch.where(mask, a, 0.0).to(weights.lora_b.dtype)
+    a = torch.where(mask, a, 0.0).to(y.dtype)
     r = weights.max_rank
     for s in range(weights.num_slices):
         lo, hi = weights.slice_bounds[s], weights.slice_bounds[s + 1]

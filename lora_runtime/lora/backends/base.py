@@ -96,8 +96,7 @@ class LoRABackend:
         the LoRA kernels run beside the base GEMM (``linear_schedule``)."""
         layout = self._layout(rows, "linear")
         return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
-                           lambda a, y: self.expand(a, weights, y, layout),
-                           weights.lora_b.shape[1])
+                           lambda a, y: self.expand(a, weights, y, layout))
 
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
                       weights: LoRAWeights) -> None:
