@@ -100,7 +100,8 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
             got = graphs.replay(batch).clone()
             with use_base_backend(case.kernels):
                 want = runtimes.runner.forward_eager(batch)
-            err = assert_logits_match(got, want, dtype, "graph replay vs eager")
+            err = assert_logits_match(got, want, dtype, "graph replay vs eager",
+                                      case.layers)
         except AssertionError as e:
             kv.free([s for r in reqs for s in r.kv_slots])
             return [make_row(case, ctx.profile, {}, verification={"status": "failed",

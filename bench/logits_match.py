@@ -6,15 +6,18 @@ from __future__ import annotations
 import torch
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-"""bf16: eager and graph pick different split-K for the LoRA shrink (fp32 atomics in another
-order); over 4 random-weight layers the one-ulp differences grow to a row error of 0.008-0.0205
-(H200, model suite, 2b40597). The greedy-token check below stays exact where the top-2 margin
-is clear."""
+"""bf16, at up to 4 layers: eager and graph pick different split-K for the LoRA shrink (fp32
+atomics in another order); over 4 random-weight layers the one-ulp differences grow to a row
+error of 0.008-0.0205 (H200, model suite, 2b40597). Deeper models scale the limit by
+sqrt(layers / 4), the growth of independent rounding perturbations: at 32 layers the row
+error measured 0.033-0.041 (b8dd3f3, with and without the side branch), limit 0.085. The
+greedy-token check below stays exact where the top-2 margin is clear."""
+TOL_DEPTH = 4
 BF16_MARGIN = 0.1
 
 
 def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
-                        what: str) -> float:
+                        what: str, layers: int = TOL_DEPTH) -> float:
     """Raises ``AssertionError`` (message starting with ``what``) when they differ; returns
     the error measured: the largest elementwise error relative to ``want``'s largest logit, or
     in bf16 the worst row's relative error."""
@@ -22,7 +25,7 @@ def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
         raise AssertionError(f"{what}: shapes {tuple(got.shape)} and {tuple(want.shape)}")
     if want.numel() == 0:
         return 0.0
-    tol = TOL[dtype]
+    tol = TOL[dtype] * max(1.0, layers / TOL_DEPTH) ** 0.5
     g, e = got.float(), want.float()
     if dtype != torch.bfloat16:
         torch.testing.assert_close(g, e, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")

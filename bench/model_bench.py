@@ -140,7 +140,8 @@ def _verify(case: ModelCase, rt: BenchRuntime, batch) -> dict:
     eager = rt.eager(batch).clone()
     got = rt.step(batch)
     err = assert_logits_match(got, eager, case.dtype, f"{case.label}: graph replay differs "
-                              f"from the eager forward of the same batch ({rt.last_kind} graph)")
+                              f"from the eager forward of the same batch ({rt.last_kind} graph)",
+                              case.layers)
     want = rt.expected_kind(batch)
     if rt.last_kind != want:
         raise AssertionError(f"{case.label}: replayed the {rt.last_kind} graph, expected {want}")
