@@ -47,7 +47,7 @@ def test_idle_batch_resets_and_idle_forward_runs_no_lora(runner, monkeypatch):
     runner.forward_eager(_lora_batch(runner))
     idle = ForwardBatch.idle(runner.lora, DEVICE)
     assert runner.lora.backend.batch_info is None, "building an idle batch must reset"
-    for name in ("linear", "run_linear", "run_embedding", "shrink", "expand"):
+    for name in ("linear", "run_embedding", "shrink", "expand"):
         monkeypatch.setattr(runner.lora.backend, name, _forbidden)
     logits = runner.forward_eager(idle)
     assert logits.shape == (0, CFG.vocab_size)
@@ -68,7 +68,7 @@ def test_unprepared_backend_refuses_with_the_fix(runner):
     layer = runner.model.model.layers[0].mlp.down_proj
     x = torch.randn(2, CFG.intermediate_size, device=DEVICE)
     with pytest.raises(RuntimeError, match="prepare_lora_batch"):
-        runner.lora.backend.run_linear(x, layer.base(x), layer.lora)
+        runner.lora.backend.linear(layer.base, x, layer.lora)
 
 
 def test_base_only_batch_runs_no_lora_launch(runner, monkeypatch):

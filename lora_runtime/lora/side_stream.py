@@ -24,11 +24,8 @@ S = TypeVar("S")
 M = TypeVar("M")
 
 _streams: dict[int, torch.cuda.Stream] = {}
-
-
-def enabled() -> bool:
-    """``MULTILORA_SIDE_STREAM=0`` turns the fork off (A/B measurements, debugging)."""
-    return os.environ.get("MULTILORA_SIDE_STREAM", "1") != "0"
+ENABLED = os.environ.get("MULTILORA_SIDE_STREAM", "1") != "0"
+"""``MULTILORA_SIDE_STREAM=0`` (read at import) turns the fork off: A/B runs, debugging."""
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -42,7 +39,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def forking(device: torch.device) -> bool:
-    return device.type == "cuda" and enabled() and torch.cuda.is_current_stream_capturing()
+    return ENABLED and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def run_beside(side: Callable[[], S], main: Callable[[], M],

@@ -84,12 +84,6 @@ class LoRABackend:
         return self.batch_info is not None
 
     # -- called by LoRA layers ------------------------------------------------------------
-    def run_linear(self, x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights,
-                   rows: RowSet = RowSet.TOKENS) -> None:
-        """``y += LoRA(x)`` in place for the rows of the prepared batch."""
-        layout = self._layout(rows, "run_linear")
-        self.expand(self.shrink(x, weights, layout), weights, y, layout)
-
     def linear(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
         """``base(x) + LoRA(x)`` for the rows of the prepared batch; inside a graph capture
