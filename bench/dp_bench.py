@@ -86,6 +86,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     for name in spec.adapter_names if adapters else []:
         eng.load_adapter(name, random_adapter(config, name, r, seed=int(name.rsplit("-", 1)[1]),
                                               dtype=dtype))
+    warm = eng.warm_up()
     policy, share = LOADS[load]
     for _pass in ("warm-up", "timed"):
         ctrl = DPController(size, policy, share, seed=2)
@@ -102,6 +103,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         wall = time.perf_counter() - t0
     steps = eng.timeline[first:]
     tokens = torch.tensor([sum(len(r.output) for r in eng.finished[done:])], dtype=torch.int64)
+    compiles = torch.tensor([sum(st.compiles or 0 for st in steps)], dtype=torch.int64)
+    torch.distributed.all_reduce(compiles, group=dp.cpu_group)
     shares = torch.tensor([_idle_share(steps)], dtype=torch.float64)
     torch.distributed.all_reduce(tokens, group=dp.cpu_group)
     all_shares = [torch.zeros(1, dtype=torch.float64) for _ in range(size)]
@@ -118,6 +121,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         "output_tokens_per_s": int(tokens) / wall, "requests_per_s": opts["requests"] / wall,
         "output_tokens": int(tokens), "duration_s": wall, "steps": len(steps),
         "idle_share": sum(per_rank) / size, "idle_share_per_rank": per_rank,
+        "warm_up_s": warm.seconds,
+        "timed_compiles": None if warm.compiles is None else int(compiles),
         "graph_steps": sum(st.graph for st in steps),
         "eager_seconds_share": sum(st.seconds for st in steps if not st.graph)
         / max(1e-9, sum(st.seconds for st in steps)),

@@ -90,6 +90,7 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
                                   max_batch, max_prefix=prompt).capture()]
     workload = make_workload(spec, config.vocab_size)
     passes, margins, walls, runs = [], {}, [], []
+    warm = Engine(runner, sched, graphs).warm_up()
     for timed in (False, *([True] * TIMED_PASSES)):
         engine = Engine(runner, sched, graphs, keep_logits=not timed)
         if timed:
@@ -121,10 +122,17 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         "tpot_p99_ms": 1e3 * _q(tpot, 0.99) if tpot else None,
         "joules_per_token": None if energy is None else energy / tokens,
         "graph_steps": sum(s.graph for s in timeline), "steps": len(timeline),
+        "warm_up_s": warm.seconds, "timed_compiles": _compiles(timeline),
         **{f"{mode}_step_ms_p50": _step_p50(timeline, mode) for mode in ("decode", "extend")},
     }
     return make_row(case, ctx.profile, {}, timing=Timing([w * 1e6 for w in walls], "wall"),
                     derived=derived, telemetry=rec or None, verification=verification)
+
+
+def _compiles(timeline) -> int | None:
+    """Kernel variants the timed steps compiled (0 after a complete warm-up)."""
+    counts = [s.compiles for s in timeline]
+    return None if any(c is None for c in counts) else sum(counts)
 
 
 def prefill_buckets(prompt: int, max_batch: int, max_step_tokens: int) -> list[int]:

@@ -24,9 +24,11 @@ TILES = (64, 4, 2)
 """(block_n, num_warps, num_stages): keys per tile."""
 BLOCK_N = TILES[0]
 MAX_SPLITS = 32
+MERGE_BLOCK = MAX_SPLITS
+"""Splits the merge reads at once: one compiled variant for every heuristic split count."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, lens_ptr, part_ptr, lse_ptr,
     sm_scale_log2, group, head_dim, num_splits,
@@ -82,7 +84,7 @@ def _decode_partial_kernel(
                  mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_ptr, lse_ptr, lens_ptr, out_ptr, head_dim, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -144,7 +146,7 @@ def _decode_attention_op(
         part, lse, kv_lens, out, head_dim, splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_S=max(2, config.next_pow2(splits)), BLOCK_N=block_n,
+        BLOCK_S=max(MERGE_BLOCK, config.next_pow2(splits)), BLOCK_N=block_n,
         BLOCK_D=block_d,
     )
     return out

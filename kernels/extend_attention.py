@@ -22,6 +22,8 @@ from kernels.checks import check, check_dtype
 from kernels.traced_op import traced_op
 
 TILES = (64, 64, 4, 2)
+REQUEST_BLOCK = 64
+"""Requests a program scans at a time to find its own (a constant: no variant per batch)."""
 """(block_m, block_n, num_warps, num_stages): query rows and keys per tile."""
 
 
@@ -48,7 +50,7 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, idx_base, start, kv_end, pos, kvh, o
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, idx_ptr, q_starts_ptr, kv_starts_ptr,
     num_requests, sm_scale_log2, group, head_dim,
@@ -59,16 +61,23 @@ def _extend_kernel(
     blk = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // group
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < num_requests
-    q_lo = tl.load(q_starts_ptr + offs_r, mask=r_mask, other=0)
-    q_hi = tl.load(q_starts_ptr + offs_r + 1, mask=r_mask, other=0)
-    blocks = tl.cdiv(q_hi - q_lo, BLOCK_M)
-    ends = tl.cumsum(blocks, 0)
-    req = tl.sum((ends <= blk).to(tl.int32), 0)
+    # This block's request: the number of requests whose blocks all end at or before it
+    # (BLOCK_R requests at a time, so one compiled variant serves any batch size).
+    req = 0
+    first_blk = 0
+    done = 0
+    for base in range(0, num_requests, BLOCK_R):
+        offs_r = base + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < num_requests
+        q_lo = tl.load(q_starts_ptr + offs_r, mask=r_mask, other=0)
+        q_hi = tl.load(q_starts_ptr + offs_r + 1, mask=r_mask, other=0)
+        blocks = tl.cdiv(q_hi - q_lo, BLOCK_M)
+        before = (tl.cumsum(blocks, 0) + done) <= blk
+        req += tl.sum(before.to(tl.int32), 0)
+        first_blk += tl.sum(tl.where(before, blocks, 0), 0)
+        done += tl.sum(blocks, 0)
     if req >= num_requests:
         return
-    first_blk = tl.sum(tl.where(offs_r == req, ends - blocks, 0), 0)
     q_start = tl.load(q_starts_ptr + req)
     q_len = tl.load(q_starts_ptr + req + 1) - q_start
     kv_start = tl.load(kv_starts_ptr + req)
@@ -122,7 +131,7 @@ def _extend_attention_op(
         requests, sm_scale * 1.4426950408889634, heads // k_cache.shape[1], head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        BLOCK_R=max(2, config.next_pow2(requests)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=REQUEST_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, config.next_pow2(head_dim)),
         PRECISION=config.dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )

@@ -78,6 +78,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         eng.add_request([1, 2, 3], None, max_new_tokens=4)
         eng.step()
         os._exit(3)  # a rank dies between steps
+    warm = eng.warm_up() if opts.get("warm_up") else None
     ctrl = DPController(size, opts.get("policy", "round_robin"), opts.get("share", 0.75),
                         seed=opts.get("seed", 0))
     mine = {}
@@ -98,6 +99,8 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         "graph_steps": sum(s.graph for s in eng.timeline),
         "graph_prefill_steps": sum(s.graph and s.mode == "extend" for s in eng.timeline),
         "variants": [s.variant for s in eng.timeline],
+        "compiles": [s.compiles for s in eng.timeline],
+        "warm_up_steps": warm.steps if warm else 0,
     }
     torch.save(result, Path(out_dir, f"rank{rank}.pt"))
     graphs.clear()

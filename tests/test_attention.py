@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from graphs import GraphRunner
 from kernels.decode_attention import decode_attention
-from kernels.extend_attention import extend_attention
+from kernels.extend_attention import REQUEST_BLOCK, extend_attention
 from lora_runtime.engine.forward_batch import DecodeAttention, ExtendAttention, ForwardBatch
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
@@ -90,7 +90,6 @@ def test_decode_matches_float64(provider, dtype, shape, data):
 @settings(max_examples=EXAMPLES)
 @given(shape=shapes(), data=st.data())
 def test_extend_matches_float64(provider, dtype, shape, data):
-    kv_heads, group, head_dim = shape
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
     n = data.draw(st.integers(0, 4))
     big = 300 if ON_GPU else 50
@@ -98,6 +97,22 @@ def test_extend_matches_float64(provider, dtype, shape, data):
     prefix = data.draw(st.lists(st.sampled_from([0, 1, 7, 64, big]), min_size=n, max_size=n))
     padding = data.draw(st.integers(0, 9))
     tiles = data.draw(st.sampled_from([None, (16, 32, 4, 1), (32, 16, 2, 3)]))
+    _check_extend(provider, dtype, shape, g, new, prefix, padding, tiles)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES[-1:], ids=str)
+def test_extend_finds_requests_past_one_request_block(dtype):
+    """More requests than the kernel scans at a time (``REQUEST_BLOCK``): each program still
+    finds its own request, in every block of requests."""
+    g = torch.Generator().manual_seed(5)
+    n = REQUEST_BLOCK + 5
+    new = torch.randint(1, 3, (n,), generator=g).tolist()
+    prefix = torch.randint(0, 5, (n,), generator=g).tolist()
+    _check_extend("triton", dtype, (1, 1, 16), g, new, prefix, 3, (16, 16, 4, 1))
+
+
+def _check_extend(provider, dtype, shape, g, new, prefix, padding, tiles):
+    kv_heads, group, head_dim = shape
     k_cache, v_cache = _cache(kv_heads, head_dim, dtype, g)
     t = sum(new) + padding
     q = torch.randn(t, kv_heads * group, head_dim, generator=g).to(dtype).to(DEVICE)

@@ -59,7 +59,9 @@ def _check(results, opts, reference, dtype=torch.float32) -> dict:
             "idle_steps": [r["modes"].count("idle") for r in results],
             "graph_steps": [r["graph_steps"] for r in results],
             "graph_prefill_steps": [r["graph_prefill_steps"] for r in results],
-            "base_variant_steps": [r["variants"].count("base") for r in results]}
+            "base_variant_steps": [r["variants"].count("base") for r in results],
+            "warm_up_steps": [r["warm_up_steps"] for r in results],
+            "compiles": [sum(c or 0 for c in r["compiles"]) for r in results]}
 
 
 @pytest.mark.parametrize("size,policy,graphs", [
@@ -67,12 +69,16 @@ def _check(results, opts, reference, dtype=torch.float32) -> dict:
     (4, "skewed", False), (4, "round_robin", True),
 ])
 def test_dp_logits_equal_the_dp1_reference(size, policy, graphs, tmp_path, reference, capsys):
-    opts = {"n": 10, "policy": policy, "share": 0.7, "graphs": graphs, "seed": size}
+    """The DP 2 case with graphs warms the engines up first: serving after it is unchanged."""
+    opts = {"n": 10, "policy": policy, "share": 0.7, "graphs": graphs, "seed": size,
+            "warm_up": size == 2 and graphs}
     stats = _check(_serve(size, opts, tmp_path), opts, reference)
     with capsys.disabled():
         print(f"\n[dp] size={size} policy={policy} graphs={graphs} {stats}")
     if size > 1:
         assert sum(stats["idle_steps"]) > 0, "the workload must make some rank idle"
+    if opts["warm_up"]:
+        assert all(r > 0 for r in stats["warm_up_steps"])
     if graphs:
         assert all(g > 0 for g in stats["graph_steps"]), "every rank must replay graphs"
         assert all(g > 0 for g in stats["graph_prefill_steps"]), "prefill graphs run under DP"
@@ -108,12 +114,14 @@ def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 @pytest.mark.parametrize("policy", ["skewed", "round_robin"])
 def test_dp2_nccl_cuda_graphs_bf16(policy, tmp_path, capsys):
+    """After the warm-up no step compiles a kernel (a compile stalls every rank)."""
     opts = {"n": 16, "policy": policy, "share": 0.8, "graphs": True, "seed": 7, "cuda": True,
-            "backend": "triton"}
+            "backend": "triton", "warm_up": True}
     stats = _check(_serve(2, opts, tmp_path), opts, _gpu_reference(), torch.bfloat16)
     with capsys.disabled():
         print(f"\n[dp gpu] size=2 policy={policy} {stats}")
     assert all(g > 0 for g in stats["graph_steps"])
+    assert stats["compiles"] == [0, 0], f"steps compiled kernels after the warm-up: {stats}"
 
 
 def test_torchrun_launches_the_dp_benchmark(tmp_path):

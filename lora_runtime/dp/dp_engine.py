@@ -68,7 +68,7 @@ class DPEngine(Engine):
         return self.finished
 
     def step(self) -> list[tuple[Request, int]]:
-        start = self.clock()
+        start = self._start_step()
         self._share_free_slots()
         plan = self.scheduler.schedule()
         batch = None if plan is None else self._build(plan)

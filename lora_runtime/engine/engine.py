@@ -12,11 +12,13 @@ from typing import Protocol
 
 import torch
 
+from kernels import jit_watch
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from lora_runtime.engine.warm_up import WarmUpReport, prompt_ids, warm_up_phases
 
 
 class GraphReplayer(Protocol):
@@ -122,7 +124,7 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
         """Runs one forward; returns the (request, token) pairs it produced."""
-        start = self.clock()
+        start = self._start_step()
         plan = self.scheduler.schedule()
         if plan is None:
             if self.scheduler.waiting:
@@ -150,6 +152,38 @@ class Engine:
         while not all(r.metrics.finish is not None for r in reqs):
             self.step()
         return [list(r.output) for r in reqs]
+
+    def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
+        """Serves the warm-up workload (``warm_up.py``) before any request, so the kernel
+        variants serving meets compile now, not mid-step; then forgets it (timeline, finished
+        requests). ``adapters``: cycled over the requests; default every loaded adapter the
+        slots hold, and the base model. Under DP every rank calls it with the same adapters."""
+        if self.has_work:
+            raise RuntimeError("warm_up runs before serving, but the engine has requests; "
+                               "call it right after loading the adapters")
+        if adapters is None:
+            slots = self.lora.config.max_loras_per_batch if self.lora is not None else 0
+            loaded = sorted(self.lora.adapters) if self.lora is not None else []
+            adapters = [*loaded[:slots], None]
+        for a in adapters:
+            if a is not None and (self.lora is None or a not in self.lora.adapters):
+                raise ValueError(f"warm_up: adapter {a!r} is not loaded; load it first")
+        t0, jit0 = time.perf_counter(), jit_watch.count()
+        marks = len(self.timeline), len(self.finished)
+        vocab = self.runner.model.config.vocab_size
+        phases = warm_up_phases(self.config.max_step_tokens, self.config.max_batch_size,
+                                self.kv.max_tokens, adapters)
+        for i, phase in enumerate(phases):
+            reqs = [self.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
+                                     max_new_tokens=r.max_new_tokens) for r in phase]
+            self.run()
+            for r in reqs:
+                self.logits.pop(r.id, None)
+        steps = len(self.timeline) - marks[0]
+        del self.timeline[marks[0]:], self.finished[marks[1]:]
+        jit = jit_watch.count()
+        return WarmUpReport(time.perf_counter() - t0, steps,
+                            None if jit is None else jit - jit0)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """Logits of the batch's requests: a graph replay when one fits, else eager."""
@@ -185,7 +219,12 @@ class Engine:
                 self.finished.append(req)
         return produced
 
+    def _start_step(self) -> float:
+        self._jit_at_start = jit_watch.count()
+        return self.clock()
+
     def _record(self, plan: ScheduledStep, replayed: GraphReplayer | None, start: float) -> None:
+        jit = jit_watch.count()
         self.timeline.append(StepRecord(
             index=len(self.timeline), mode=plan.mode.value, batch_size=len(plan.requests),
             tokens=plan.num_tokens, adapters=tuple(sorted(plan.adapters)),
@@ -193,6 +232,7 @@ class Engine:
             bucket=None if replayed is None else replayed.last_bucket,
             variant=None if replayed is None else replayed.last_kind,
             start=start, seconds=self.clock() - start,
+            compiles=None if jit is None else jit - self._jit_at_start,
         ))
 
     def _stuck_reason(self, req: Request) -> str:

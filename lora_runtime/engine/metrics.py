@@ -46,3 +46,6 @@ class StepRecord:
     start: float
     seconds: float
     """Host time of the step, forward and sampling included (device work synchronised)."""
+    compiles: int | None = None
+    """Triton kernel variants the step compiled (None: not observable, e.g. the interpreter).
+    Nonzero after ``Engine.warm_up`` means a shape the warm-up did not reach."""

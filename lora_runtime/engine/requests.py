@@ -125,7 +125,10 @@ def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
         r.kv_slots.append(s)
     bs = len(reqs)
     lens = [len(r.kv_slots) for r in reqs]
-    table = np.full((bs, max(lens, default=1)), KVCache.SCRATCH, dtype=np.int64)
+    # Width rounded up to 16: the table's row stride is a kernel argument, and Triton compiles
+    # a variant per divisibility class of it (a compile mid-serving costs ~1 s).
+    width = -(-max(lens, default=1) // 16) * 16
+    table = np.full((bs, width), KVCache.SCRATCH, dtype=np.int64)
     for row, r, n in zip(table, reqs, lens, strict=True):
         row[:n] = r.kv_slots.array
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
