@@ -38,7 +38,9 @@ def install() -> bool:
     def counted(self, *args, **kwargs):
         kernel = original(self, *args, **kwargs)
         _state["count"] += 1
-        _state["names"].append(getattr(self, "__name__", "?"))
+        constexprs = args[3] if len(args) > 3 else kwargs.get("constexprs", {})
+        values = constexprs.values() if hasattr(constexprs, "values") else ()
+        _state["names"].append(f"{getattr(self, '__name__', '?')}{tuple(values)}")
         return kernel
 
     JITFunction._do_compile = counted
@@ -53,5 +55,6 @@ def count() -> int | None:
 
 
 def names_since(start: int) -> list[str]:
-    """The kernels compiled since ``count()`` returned ``start``."""
+    """The kernels compiled since ``count()`` returned ``start``, each with its constexpr
+    values (which variant it was)."""
     return list(_state["names"][start:])

@@ -12,6 +12,7 @@ import torch
 from runtime_helpers import ALL_TARGETS
 
 from graphs import GraphRunner
+from kernels import jit_watch
 from lora_runtime.dp.controller import DPController
 from lora_runtime.dp.dp_engine import DPEngine
 from lora_runtime.dp.group import init_dp, shutdown
@@ -79,6 +80,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         eng.step()
         os._exit(3)  # a rank dies between steps
     warm = eng.warm_up() if opts.get("warm_up") else None
+    jit0 = jit_watch.count()
     ctrl = DPController(size, opts.get("policy", "round_robin"), opts.get("share", 0.75),
                         seed=opts.get("seed", 0))
     mine = {}
@@ -101,6 +103,8 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         "variants": [s.variant for s in eng.timeline],
         "compiles": [s.compiles for s in eng.timeline],
         "warm_up_steps": warm.steps if warm else 0,
+        "compiled": [] if jit0 is None else jit_watch.names_since(jit0),
+        "steps": [(s.mode, s.batch_size, s.tokens, s.graph, s.compiles) for s in eng.timeline],
     }
     torch.save(result, Path(out_dir, f"rank{rank}.pt"))
     graphs.clear()

@@ -154,9 +154,9 @@ class Engine:
         return [list(r.output) for r in reqs]
 
     def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
-        """Serves the warm-up workload (``warm_up.py``) before any request, so the kernel
-        variants serving meets compile now, not mid-step; then forgets it (timeline, finished
-        requests). ``adapters``: cycled over the requests; default every loaded adapter the
+        """Serves the warm-up workload (``warm_up.py``) eagerly before any request, so the
+        kernel variants serving meets compile now, not mid-step; then forgets it (timeline,
+        finished requests). ``adapters``: cycled over the requests; default every loaded adapter the
         slots hold, and the base model. Under DP every rank calls it with the same adapters."""
         if self.has_work:
             raise RuntimeError("warm_up runs before serving, but the engine has requests; "
@@ -173,12 +173,18 @@ class Engine:
         vocab = self.runner.model.config.vocab_size
         phases = warm_up_phases(self.config.max_step_tokens, self.config.max_batch_size,
                                 self.kv.max_tokens, adapters)
-        for i, phase in enumerate(phases):
-            reqs = [self.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
-                                     max_new_tokens=r.max_new_tokens) for r in phase]
-            self.run()
-            for r in reqs:
-                self.logits.pop(r.id, None)
+        # Eagerly: a captured graph compiled its kernels at capture, and any step (under DP, a
+        # step whose ranks disagree on the mode) may run eagerly.
+        graphs, self.graphs = self.graphs, []
+        try:
+            for i, phase in enumerate(phases):
+                reqs = [self.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
+                                         max_new_tokens=r.max_new_tokens) for r in phase]
+                self.run()
+                for r in reqs:
+                    self.logits.pop(r.id, None)
+        finally:
+            self.graphs = graphs
         steps = len(self.timeline) - marks[0]
         del self.timeline[marks[0]:], self.finished[marks[1]:]
         jit = jit_watch.count()

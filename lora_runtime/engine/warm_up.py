@@ -5,13 +5,13 @@ matters: a compile stalls the step by up to a second, and under data parallelism
 Which variant a launch takes depends on its shapes: the step's token count (LoRA launch
 heuristics split K and tile the output by the number of row blocks), its mode (decode and
 extend layouts differ) and, for decode attention, whether the context is split. Two sweeps
-cover them, each phase served to completion before the next:
+cover them, each phase served eagerly (graphs compiled their kernels at capture) to
+completion before the next:
 
 - tokens: one prefill step of T tokens, T = 1, 2, 4, ... up to the step budget, shared by a
   few requests on different adapters and the base model (several LoRA segments);
 - batch: n requests (n = 1, 2, 4, ... up to the batch limit) with prompts long enough to
-  split decode attention's context, then one decode step of n rows (eager where no decode
-  graph holds n rows).
+  split decode attention's context, then one decode step of n rows.
 
 Under data parallelism every rank serves the same phases, so the gathered MLP rows sweep the
 same ladder times the DP size. The ladder's powers of two bound each heuristic from both
