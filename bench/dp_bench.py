@@ -2,9 +2,10 @@
 processes on a CPU). Per case (DP size, balanced or skewed load, with or without LoRA): the
 engine's warm-up (``Engine.warm_up``), an untimed pass of an offline workload, then
 ``TIMED_PASSES`` timed passes of it (the median reported, with the Triton compiles of every
-timed pass: 0 after a complete warm-up), giving output tokens/s, the step times of rank 0, each rank's share of step time spent in idle forwards, and what one idle
-forward costs (the agreed smallest decode bucket replayed with no local rows, LoRA variant
-and base variant, in lockstep on every rank).
+timed pass: 0 after a complete warm-up), giving output tokens/s, the step times of rank 0,
+each rank's share of step time spent in idle forwards, and what one idle forward costs (the
+agreed smallest decode bucket replayed with no local rows, LoRA variant and base variant, in
+lockstep on every rank).
 
     python -m bench.dp_bench --sizes 1 2 --layers 4 --out results/runs/dp.json
     torchrun --nproc-per-node 2 -m bench.dp_bench --out dp.json   # the ranks started by torchrun
