@@ -14,7 +14,13 @@ if not torch.cuda.is_available():
 
 from kernels.embedding import lora_embedding_shrink  # noqa: E402
 from kernels.expand import lora_expand  # noqa: E402
-from kernels.segments import SegmentLayout, SegmentPlan, StaticSegmentLayout, plan_segments  # noqa: E402
+from kernels.segments import (  # noqa: E402
+    SegmentLayout,
+    SegmentPlan,
+    SegmentSpec,
+    StaticSegmentLayout,
+    plan_segments,
+)
 from kernels.shrink import lora_shrink  # noqa: E402
 from kernels.weights import LoRAWeights  # noqa: E402
 
@@ -22,6 +28,7 @@ __all__ = [
     "LoRAWeights",
     "SegmentLayout",
     "SegmentPlan",
+    "SegmentSpec",
     "StaticSegmentLayout",
     "lora_embedding_shrink",
     "lora_expand",

@@ -82,6 +82,26 @@ def plan_segments(
     return SegmentPlan(token_slots, permutation, seg_bounds, seg_slots, blocks, block_m)
 
 
+@dataclass(frozen=True)
+class SegmentSpec:
+    """What ``plan_segments`` is called with. Equal specs plan equal layouts, so a static
+    layout that already holds a spec's plan skips its refresh (consecutive decode steps of an
+    unchanged batch: no planning, no copy)."""
+
+    request_slots: tuple[int, ...]
+    request_lens: tuple[int, ...] | None
+    block_m: int
+    skip_slot: int | None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_slots) if self.request_lens is None else sum(self.request_lens)
+
+    def plan(self) -> SegmentPlan:
+        return plan_segments(self.request_slots, self.request_lens, block_m=self.block_m,
+                             skip_slot=self.skip_slot)
+
+
 @dataclass
 class SegmentLayout:
     """Device view of a plan. All five tensors are int32 views of one buffer."""
@@ -169,6 +189,7 @@ class StaticSegmentLayout:
                                     pin_memory=self._buf.is_cuda)
         self._copied = torch.cuda.Event() if self._buf.is_cuda else None
         self._views: dict[int, SegmentLayout] = {}
+        self._held: tuple[SegmentSpec, int, int] | None = None
         self.write(None, max_rows)
 
     def blocks_for(self, rows: int) -> int:
@@ -189,8 +210,17 @@ class StaticSegmentLayout:
         parts = [self._buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
         return SegmentLayout(*parts, block_m=self.block_m)
 
-    def write(self, plan: SegmentPlan | None, rows: int) -> None:
-        """Copy ``plan`` (None: an idle batch) into the first ``rows`` rows, neutral elsewhere."""
+    def holds(self, spec: SegmentSpec, rows: int) -> bool:
+        """The buffer already holds ``spec``'s plan and it fits the ``rows``-row view."""
+        held = self._held
+        return (held is not None and held[0] == spec and held[1] <= rows
+                and held[2] <= self.blocks_for(rows))
+
+    def write(self, plan: SegmentPlan | None, rows: int,
+              spec: SegmentSpec | None = None) -> None:
+        """Copy ``plan`` (None: an idle batch) into the first ``rows`` rows, neutral elsewhere.
+        ``spec``: what ``plan`` was planned from, remembered for ``holds`` (without it the
+        buffer holds no known spec)."""
         self._check_rows(rows)
         if plan is not None and plan.block_m != self.block_m:
             raise ValueError(f"plan has block_m={plan.block_m}, layout needs {self.block_m}")
@@ -207,6 +237,9 @@ class StaticSegmentLayout:
         self._buf.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        # Invariant: _held names the buffer's contents or is None (nothing else writes it).
+        self._held = None if spec is None or plan is None else (
+            spec, plan.num_rows, len(plan.blocks))
 
     def _check_rows(self, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:

@@ -222,3 +222,17 @@ def test_model_graph_replays_with_triton_attention(served):
     reqs[0].output += [3, 4, 5, 6, 7, 8]
     _check(runner, prefill, build_extend(reqs[:1], kv, DEVICE), dtype)
     release(reqs, kv)
+
+
+def test_decode_tables_are_as_wide_as_the_longest_context_with_aligned_rows():
+    """Graph buckets choose by the table's width (the longest context), the kernels compile
+    per divisibility class of its row stride: width exact, stride a multiple of 16."""
+    kv = KVCache(tiny(1), 64, torch.float32, DEVICE)
+    reqs = [Request([1] * n, None, 4) for n in (3, 17)]
+    build_extend(reqs, kv, DEVICE)
+    for r in reqs:
+        r.output.append(5)
+    table = build_decode(reqs, kv, DEVICE).attn.kv_indices
+    assert table.shape == (2, 18) and table.stride() == (32, 1)
+    assert table[0, 4:].eq(KVCache.SCRATCH).all() and table[1].ne(KVCache.SCRATCH).all()
+    release(reqs, kv)

@@ -22,6 +22,8 @@ def test_the_host_benchmarks_run_and_save_a_run_file(tmp_path):
     [run] = tmp_path.glob("*-cpu.json")
     assert "no previous run" in p.stdout
     names = {b["name"] for b in json.loads(run.read_text())["benchmarks"]}
-    for bench in ("build_batch", "lora_plan", "lora_prepare_eager", "lora_buffer_refresh",
-                  "input_buffer_refresh", "graph_step_host"):
+    for bench in ("build_batch", "lora_plan", "lora_prepare_eager", "input_buffer_refresh",
+                  "graph_step_host"):
         assert {f"test_{bench}[cpu-bs1]", f"test_{bench}[cpu-bs4]"} <= names
+    assert {f"test_lora_buffer_refresh[cpu-bs{bs}-{batch}]" for bs in (1, 4)
+            for batch in ("changed", "unchanged")} <= names

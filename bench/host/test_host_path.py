@@ -4,6 +4,8 @@ queues run behind it). Each benchmark checks the result of what it timed once.""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.host import checks
 from bench.host.world import HostWorld
 
@@ -50,12 +52,22 @@ def test_lora_prepare_eager(benchmark, world: HostWorld, bs: int) -> None:
     _check_lora_layouts(world, batch, *world.eager_layouts(), "eager")
 
 
-def test_lora_buffer_refresh(benchmark, world: HostWorld, bs: int) -> None:
-    """A plan into the graph runner's static LoRA metadata (the LoRA "buffer refresh")."""
+@pytest.mark.parametrize("batch_changed", [True, False], ids=["changed", "unchanged"])
+def test_lora_buffer_refresh(benchmark, world: HostWorld, bs: int, batch_changed: bool) -> None:
+    """A plan into the graph runner's static LoRA metadata (the LoRA "buffer refresh"):
+    after a step of another layout (plan and copy), or of the same one (a decode step whose
+    requests and adapters did not change: nothing to plan or copy)."""
     _tag(benchmark, world, bs)
     batch = world.build_batch(bs)
     plan = world.plan(batch)
-    benchmark(world.refresh_lora, plan, bs)
+    other = world.plan_with_slots_rotated(plan)
+    turn = iter(range(1 << 62))
+
+    def refresh() -> None:
+        world.refresh_lora(other if batch_changed and next(turn) % 2 else plan, bs)
+
+    benchmark(refresh)
+    world.refresh_lora(plan, bs)
     _check_lora_layouts(world, batch, *(s.view(s.max_rows) for s in world.static_layouts()),
                         "static")
 

@@ -10,6 +10,7 @@ adapted in this file alone."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,21 @@ class HostWorld:
                 self.kv.free([req.kv_slots.pop()])
 
     def plan(self, batch: ForwardBatch) -> LoRABatchPlan:
-        return self.lora.plan_lora_batch(batch)
+        """Slots and every segment plan (plans are lazy: a replay that needs none skips them)."""
+        plan = self.lora.plan_lora_batch(batch)
+        _ = plan.rows, plan.logits_rows, plan.gathered
+        return plan
+
+    def plan_with_slots_rotated(self, plan: LoRABatchPlan) -> LoRABatchPlan:
+        """Another layout of as many rows: each adapter row moved to the next adapter's slot."""
+        n = self.neutral_slot
+
+        def turn(spec):
+            return dataclasses.replace(spec, request_slots=tuple(
+                s if s == n else (s + 1) % n for s in spec.request_slots))
+
+        return LoRABatchPlan(turn(plan.rows_spec), turn(plan.logits_spec),
+                             None if plan.gathered_spec is None else turn(plan.gathered_spec))
 
     def prepare_eager(self, batch: ForwardBatch) -> None:
         """The LoRA part of an eager forward's host path: plan and exact-size metadata."""

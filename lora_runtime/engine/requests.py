@@ -125,16 +125,17 @@ def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
         r.kv_slots.append(s)
     bs = len(reqs)
     lens = [len(r.kv_slots) for r in reqs]
-    # Width rounded up to 16: the table's row stride is a kernel argument, and Triton compiles
-    # a variant per divisibility class of it (a compile mid-serving costs ~1 s).
-    width = -(-max(lens, default=1) // 16) * 16
-    table = np.full((bs, width), KVCache.SCRATCH, dtype=np.int64)
+    # The rows are 16-aligned in memory, the table as wide as the longest context: its row
+    # stride is a kernel argument, and Triton compiles a variant per divisibility class of it
+    # (a compile mid-serving stalls the step by ~1 s), while graphs pick buckets by its width.
+    width = max(lens, default=1)
+    table = np.full((bs, -(-width // 16) * 16), KVCache.SCRATCH, dtype=np.int64)
     for row, r, n in zip(table, reqs, lens, strict=True):
         row[:n] = r.kv_slots.array
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(
         ForwardMode.DECODE, t([r.last_token for r in reqs]), t([n - 1 for n in lens]), t(slots),
-        t(list(range(bs))), DecodeAttention(torch.from_numpy(table).to(device), t(lens)),
+        t(list(range(bs))), DecodeAttention(torch.from_numpy(table).to(device)[:, :width], t(lens)),
         tuple(r.adapter for r in reqs), (1,) * bs,
     )
 

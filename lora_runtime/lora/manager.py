@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import LoRAWeights, SegmentPlan, plan_segments
+from kernels import LoRAWeights, SegmentSpec
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.lora.adapters import AdapterError, LoRAAdapter, load_peft_adapter
 from lora_runtime.lora.backends import LoRAGraphBuffers, make_backend
@@ -70,26 +70,23 @@ class LoRAManager:
         # Under DP every rank acquires the same union in the same order, so slots agree.
         self._acquire({n for n in everyone if n is not None})
         slots = [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
+        skip = self.neutral_slot
         if batch.mode is ForwardMode.IDLE:  # under DP: no local rows, in the step's layout
             step_mode = ForwardMode.DECODE if g is None else g.mode
-            rows = plan_segments([], None, block_m=DECODE_BLOCK_M
-                                 if step_mode is ForwardMode.DECODE else EXTEND_BLOCK_M)
-            logits = plan_segments([], None, block_m=LOGITS_BLOCK_M)
+            rows = SegmentSpec((), None, DECODE_BLOCK_M if step_mode is ForwardMode.DECODE
+                               else EXTEND_BLOCK_M, None)
+            logits = SegmentSpec((), None, LOGITS_BLOCK_M, None)
         elif batch.mode is ForwardMode.DECODE:
-            rows = plan_segments(slots, None, block_m=DECODE_BLOCK_M, skip_slot=self.neutral_slot)
-            # One row per request already: the lm_head pass has the same layout.
-            logits = rows if LOGITS_BLOCK_M == DECODE_BLOCK_M else plan_segments(
-                slots, None, block_m=LOGITS_BLOCK_M, skip_slot=self.neutral_slot)
+            rows = SegmentSpec(tuple(slots), None, DECODE_BLOCK_M, skip)
+            logits = SegmentSpec(tuple(slots), None, LOGITS_BLOCK_M, skip)
         else:
-            rows = plan_segments(slots, batch.extend_lens, block_m=EXTEND_BLOCK_M,
-                                 skip_slot=self.neutral_slot)
-            logits = plan_segments(slots, None, block_m=LOGITS_BLOCK_M,
-                                   skip_slot=self.neutral_slot)
-        plan = LoRABatchPlan(rows, logits, None if g is None else self._gathered_plan(g))
+            rows = SegmentSpec(tuple(slots), tuple(batch.extend_lens), EXTEND_BLOCK_M, skip)
+            logits = SegmentSpec(tuple(slots), None, LOGITS_BLOCK_M, skip)
+        plan = LoRABatchPlan(rows, logits, None if g is None else self._gathered_spec(g))
         self._in_batch = {n for n in everyone if n is not None}
         return plan
 
-    def _gathered_plan(self, g: GatheredRows) -> SegmentPlan:
+    def _gathered_spec(self, g: GatheredRows) -> SegmentSpec:
         """Every rank's rows, rank after rank, each rank's padded (neutral) to rows_per_rank."""
         slots, lens = [], []
         for rank, (names, rank_lens) in enumerate(zip(g.adapters, g.lens, strict=True)):
@@ -101,7 +98,7 @@ class LoRAManager:
             lens += [*rank_lens, pad]
             slots.append(self.neutral_slot)
         block_m = DECODE_BLOCK_M if g.mode is ForwardMode.DECODE else EXTEND_BLOCK_M
-        return plan_segments(slots, lens, block_m=block_m, skip_slot=self.neutral_slot)
+        return SegmentSpec(tuple(slots), tuple(lens), block_m, self.neutral_slot)
 
     # -- graph hooks: a graph runner's only contact with LoRA ------------------------------
     def init_graph_buffers(self, mode: ForwardMode, max_rows: int,

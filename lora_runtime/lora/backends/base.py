@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import LoRAWeights, SegmentLayout, StaticSegmentLayout
+from kernels import LoRAWeights, SegmentLayout, SegmentPlan, SegmentSpec, StaticSegmentLayout
 from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
 from lora_runtime.lora.linear_schedule import lora_linear
 
@@ -142,13 +142,28 @@ class LoRABackend:
 
     def prepare_for_replay(self, buffers: LoRAGraphBuffers, plan: LoRABatchPlan | None,
                            rows: int, requests: int) -> None:
-        """Refreshes the static buffers in place (None: an idle batch, all neutral)."""
-        buffers.tokens.write(None if plan is None else plan.rows, rows)
-        buffers.logits.write(None if plan is None else plan.logits_rows, requests)
-        gathered = None
+        """Refreshes the static buffers in place (None: an idle batch, all neutral). A layout
+        the buffers already hold (same ``SegmentSpec``) is neither planned nor copied again;
+        every other one is planned before any buffer is written."""
+        gathered_rows = 0
+        todo = [(buffers.tokens, None if plan is None else plan.rows_spec, rows),
+                (buffers.logits, None if plan is None else plan.logits_spec, requests)]
         if buffers.gathered is not None:
             gathered_rows = rows * (buffers.gathered.max_rows // buffers.tokens.max_rows)
-            buffers.gathered.write(None if plan is None else plan.gathered, gathered_rows)
-            gathered = buffers.gathered.view(gathered_rows)
+            todo.append((buffers.gathered, None if plan is None else plan.gathered_spec,
+                         gathered_rows))
+        todo = [(layout, spec, n) for layout, spec, n in todo
+                if spec is None or not layout.holds(spec, n)]
+        plans = [None if spec is None else _planned(plan, spec) for _, spec, _ in todo]
+        for (layout, spec, n), p in zip(todo, plans, strict=True):
+            layout.write(p, n, spec)
+        gathered = None if buffers.gathered is None else buffers.gathered.view(gathered_rows)
         self._set(LoRABatchInfo(buffers.tokens.view(rows)), buffers.logits.view(requests),
                   gathered)
+
+
+def _planned(plan: LoRABatchPlan, spec: SegmentSpec) -> SegmentPlan:
+    """``plan``'s layout of ``spec`` (planned once per plan, shared with eager use)."""
+    if spec is plan.rows_spec:
+        return plan.rows
+    return plan.logits_rows if spec is plan.logits_spec else plan.gathered

@@ -1,0 +1,94 @@
+"""The static layouts' refresh skip: a layout whose buffer already holds a spec's plan is not
+planned or copied again, and whatever sequence of batches, sizes and direct writes comes, the
+buffer afterwards holds exactly what a fresh write of the last batch would hold (a skipped
+refresh can never leave a previous batch's metadata behind)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels.segments as segments
+from kernels import SegmentSpec, StaticSegmentLayout
+from lora_runtime.lora.backends.torch_backend import TorchBackend
+from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchPlan
+
+SLOTS, NEUTRAL, BLOCK_M, MAX_ROWS = 3, 3, 4, 16
+
+
+def _expected(plan, layout: StaticSegmentLayout) -> np.ndarray:
+    return segments._pack(plan, layout.max_rows, layout.blocks_for(layout.max_rows), NEUTRAL)
+
+
+def _spec(draw, rows: int) -> SegmentSpec:
+    n = draw(st.integers(0, rows))
+    slots = tuple(draw(st.lists(st.sampled_from([0, 1, NEUTRAL]), min_size=n, max_size=n)))
+    return SegmentSpec(slots, None, BLOCK_M, NEUTRAL)
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_any_sequence_leaves_the_last_batch_in_the_buffers(data):
+    backend = TorchBackend(SLOTS, "cpu")
+    buffers = backend.init_capture_buffers(MAX_ROWS, MAX_ROWS, BLOCK_M, dp_size=2)
+    pool = [_spec(data.draw, MAX_ROWS) for _ in range(3)]  # few: repeats are the point
+    for _ in range(data.draw(st.integers(1, 8))):
+        action = data.draw(st.sampled_from(["replay", "replay", "replay", "idle", "direct"]))
+        rows = data.draw(st.sampled_from([4, 8, MAX_ROWS]))
+        if action == "direct":  # a write that names no spec (a capture does this)
+            buffers.tokens.write(None, rows)
+            continue
+        if action == "idle":
+            backend.prepare_for_replay(buffers, None, rows, rows)
+            want_rows = want_logits = want_gathered = None
+        else:
+            spec = data.draw(st.sampled_from(pool))
+            rows = max(rows, spec.num_rows)
+            lens = tuple(data.draw(st.lists(st.integers(0, rows // 2), min_size=2,
+                                            max_size=2)))
+            gathered = SegmentSpec((0, NEUTRAL, 1, NEUTRAL), (lens[0], rows - lens[0],
+                                                             lens[1], rows - lens[1]),
+                                   BLOCK_M, NEUTRAL)
+            plan = LoRABatchPlan(spec, _logits(spec), gathered)
+            backend.prepare_for_replay(buffers, plan, rows, rows)
+            want_rows, want_logits = spec.plan(), _logits(spec).plan()
+            want_gathered = gathered.plan()
+        for layout, want in ((buffers.tokens, want_rows), (buffers.logits, want_logits),
+                             (buffers.gathered, want_gathered)):
+            got = layout._buf.numpy()
+            assert np.array_equal(got, _expected(want, layout)), "stale layout after a skip"
+
+
+def _logits(spec: SegmentSpec) -> SegmentSpec:
+    return dataclasses.replace(spec, block_m=LOGITS_BLOCK_M)
+
+
+def test_a_held_layout_is_neither_planned_nor_copied(monkeypatch):
+    backend = TorchBackend(SLOTS, "cpu")
+    buffers = backend.init_capture_buffers(MAX_ROWS, MAX_ROWS, BLOCK_M)
+    spec = SegmentSpec((0, 1, 0, NEUTRAL), None, BLOCK_M, NEUTRAL)
+    backend.prepare_for_replay(buffers, LoRABatchPlan(spec, _logits(spec)), 8, 8)
+    calls = []
+    monkeypatch.setattr(segments, "plan_segments",
+                        lambda *a, **k: calls.append(a) or pytest.fail("planned again"))
+    monkeypatch.setattr(StaticSegmentLayout, "write",
+                        lambda *a, **k: pytest.fail("copied again"))
+    backend.prepare_for_replay(buffers, LoRABatchPlan(spec, _logits(spec)), 8, 8)
+    backend.prepare_for_replay(buffers, LoRABatchPlan(spec, _logits(spec)), MAX_ROWS, MAX_ROWS)
+    assert backend.batch_info.rows.num_rows == MAX_ROWS and not calls
+
+
+def test_holds_names_the_spec_and_a_view_it_fits():
+    layout = StaticSegmentLayout(MAX_ROWS, SLOTS + 1, BLOCK_M, NEUTRAL, "cpu")
+    spec = SegmentSpec((0,) * 9, None, BLOCK_M, NEUTRAL)
+    assert not layout.holds(spec, MAX_ROWS), "a fresh layout holds no spec"
+    layout.write(spec.plan(), MAX_ROWS, spec)
+    assert layout.holds(spec, MAX_ROWS) and layout.holds(spec, 9)
+    assert not layout.holds(spec, 8), "9 rows do not fit an 8-row view"
+    assert not layout.holds(SegmentSpec((1,) * 9, None, BLOCK_M, NEUTRAL), MAX_ROWS)
+    layout.write(spec.plan(), MAX_ROWS)
+    assert not layout.holds(spec, MAX_ROWS), "a write without its spec forgets the held one"
