@@ -162,6 +162,18 @@ MUTANTS = [
            (("            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], m.b",
              "            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], "
              "m.b * self.dp.size"),), DP_TESTS),
+    Mutant("refresh_skipped_for_any_spec",
+           "a static layout claims to hold whatever spec it is asked about (refreshes skipped)",
+           "kernels/segments.py",
+           (("        return (held is not None and held[0] == spec and held[1] <= rows",
+             "        return (held is not None and held[1] <= rows"),),
+           (*TESTS, "tests/test_layout_refresh.py")),
+    Mutant("direct_write_keeps_held_spec",
+           "a write that names no spec (a capture, an idle refresh) keeps the spec held before",
+           "kernels/segments.py",
+           (("        self._held = None if spec is None or plan is None else (",
+             "        self._held = self._held if spec is None or plan is None else ("),),
+           (*TESTS, "tests/test_layout_refresh.py")),
 ]
 
 
