@@ -2,17 +2,20 @@
 adapter counts and popularities: output tokens/s, requests/s, TTFT and TPOT (p50, p99),
 joules per token (NVML), LoRA throughput as a % of the base model's on the same workload.
 
-Each case serves its workload on one runtime with captured decode and prefill graphs (prefill
-buckets by token count up to the step's budget, continuations of chunked prompts included): a
-warm-up pass, then ``TIMED_PASSES`` timed passes. Verification: every request produced all
-its tokens, and every timed pass repeats the warm-up's tokens (greedy, same schedule: a replay
-that read stale metadata after the slot churn of the first pass would change them) up to a
-near-tie: a request may diverge only at a token whose top-2 logit margin in the warm-up was
-within ``TIE`` (the split-K shrink adds in fp32 with atomics, so bf16 logits move by an ulp
-between runs)."""
+Each case serves its workload on its runtime with captured decode and prefill graphs (prefill
+buckets by token count up to the step's budget, continuations of chunked prompts included):
+the engine's warm-up, an untimed pass, then ``TIMED_PASSES`` timed passes. A LoRA case builds
+a runtime without LoRA beside it (same weights) and interleaves its passes with the case's,
+so ``pct_of_base`` compares passes made under the same conditions. Verification: every
+request produced all its tokens, and every timed pass repeats the untimed pass's tokens
+(greedy, same schedule: a replay that read stale metadata after the slot churn of the first
+pass would change them) up to a near-tie: a request may diverge only at a token whose top-2
+logit margin in the untimed pass was within ``TIE`` (the split-K shrink adds in fp32 with
+atomics, so bf16 logits move by an ulp between runs)"""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
@@ -48,69 +51,40 @@ def cases(preset: str, layers: int, dtype: str, prompt: int, output: int, reques
 
 
 def make_runner(ctx: Context):
-    base: dict[str, float] = {}
-
     def run(case: ThroughputCase) -> list[dict]:
-        row = run_case(case, ctx)
-        tps = row["derived"]["output_tokens_per_s"]
-        if case.adapters == 0:
-            base[case.workload] = tps
-        elif case.workload in base:
-            row["derived"]["pct_of_base"] = 100 * tps / base[case.workload]
-        return [row]
+        return [run_case(case, ctx)]
 
     return run
 
 
 def run_case(case: ThroughputCase, ctx: Context) -> dict:
-    device = ctx.device
-    dtype = getattr(torch, case.dtype)
+    """A LoRA case also serves the workload on a runtime without LoRA (the same weights),
+    its timed passes interleaved with the case's (base, LoRA, base, LoRA, ...): ``pct_of_base``
+    compares passes made under the same host and device conditions (the H200 machines' hosts
+    drifted by 25% between sessions, and by ~10% from case to case)."""
     prompt, output = (int(x) for x in case.workload.removeprefix("in").split("-out"))
-    config = PRESETS[case.preset](case.layers)
-    model = LlamaForCausalLM.random(config, dtype, device, seed=0)
     spec = WorkloadSpec(case.requests, prompt, output,
                         popularity=case.popularity if case.adapters else "none",
                         num_adapters=max(case.adapters, 1), seed=1)
-    lora = None
-    if case.adapters:
-        rank = int(case.ranks)
-        slots = min(len(spec.adapter_names), 16)
-        lora = LoRAManager(model, LoRAConfig(slots, rank, backend="triton" if device.type ==
-                                             "cuda" else "torch"))
-        for i, name in enumerate(spec.adapter_names):
-            lora.load_adapter(name, random_adapter(config, name, rank, seed=i, dtype=dtype))
-    max_batch = min(32, case.requests)
-    kv = KVCache(config, max_batch * (prompt + output) + 64, dtype, device)
-    runner = ModelRunner(model, kv, lora)
-    buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch] + [max_batch]
-    sched = SchedulerConfig(max_batch_size=max_batch)
-    graphs = [GraphRunner.decode(runner, buckets, prompt + output + 8).capture(),
-              GraphRunner.prefill(runner, prefill_buckets(prompt, max_batch,
-                                                          sched.max_step_tokens),
-                                  max_batch, max_prefix=prompt).capture()]
-    workload = make_workload(spec, config.vocab_size)
-    passes, margins, walls, runs = [], {}, [], []
-    warm = Engine(runner, sched, graphs).warm_up()
-    for timed in (False, *([True] * TIMED_PASSES)):
-        engine = Engine(runner, sched, graphs, keep_logits=not timed)
-        if timed:
-            with ctx.telemetry.span() as rec:
-                t0 = engine.clock()
-                reqs = serve(engine, workload)
-                _sync(device)
-                walls.append(engine.clock() - t0)
-            runs.append((walls[-1], reqs, engine.timeline, rec))
-        else:
-            reqs = serve(engine, workload)
-            margins = {i: [float(t[0] - t[1]) for t in
-                           (row.float().topk(2).values for row in engine.logits[r.id])]
-                       for i, r in enumerate(reqs)}
-            engine.logits.clear()
-        passes.append([list(r.output) for r in reqs])
-    graphs.clear()
-    verification = _verify(passes, workload, margins)
-    wall, reqs, timeline, rec = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-    tokens = sum(len(o) for o in passes[1])
+    main = _Runtime(case, ctx, spec, case.adapters)
+    workload = make_workload(spec, main.config.vocab_size)
+    base = _Runtime(case, ctx, spec, 0) if case.adapters else None
+    # The base runtime serves the same requests, each on the base model.
+    base_workload = [dataclasses.replace(w, adapter=None) for w in workload]
+    for rt, wl in ((main, workload), (base, base_workload)):
+        if rt is not None:
+            rt.untimed_pass(wl)
+    for _ in range(TIMED_PASSES):
+        for rt, wl in ((base, base_workload), (main, workload)):
+            if rt is not None:
+                rt.timed_pass(wl)
+    verification = _verify(main.passes, workload, main.margins)
+    if base is not None and verification["status"] == "verified":
+        check = _verify(base.passes, base_workload, base.margins)
+        if check["status"] != "verified":
+            verification = {**check, "error": f"interleaved base runtime: {check['error']}"}
+    wall, reqs, timeline, rec = sorted(main.runs, key=lambda r: r[0])[len(main.runs) // 2]
+    tokens = sum(len(o) for o in main.passes[1])
     ttft = sorted(r.metrics.ttft for r in reqs)
     tpot = sorted(r.metrics.tpot for r in reqs if r.metrics.tpot is not None)
     energy = (rec or {}).get("energy_j")
@@ -122,11 +96,79 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         "tpot_p99_ms": 1e3 * _q(tpot, 0.99) if tpot else None,
         "joules_per_token": None if energy is None else energy / tokens,
         "graph_steps": sum(s.graph for s in timeline), "steps": len(timeline),
-        "warm_up_s": warm.seconds, "timed_compiles": _compiles(timeline),
+        "warm_up_s": main.warm.seconds, "timed_compiles": _compiles(timeline),
         **{f"{mode}_step_ms_p50": _step_p50(timeline, mode) for mode in ("decode", "extend")},
     }
-    return make_row(case, ctx.profile, {}, timing=Timing([w * 1e6 for w in walls], "wall"),
+    if base is not None:
+        base_wall = sorted(r[0] for r in base.runs)[len(base.runs) // 2]
+        base_tps = sum(len(o) for o in base.passes[1]) / base_wall
+        derived |= {"base_output_tokens_per_s": base_tps,
+                    "pct_of_base": 100 * derived["output_tokens_per_s"] / base_tps,
+                    "base_decode_step_ms_p50": _step_p50(
+                        sorted(base.runs, key=lambda r: r[0])[len(base.runs) // 2][2], "decode")}
+    main.release()
+    if base is not None:
+        base.release()
+    return make_row(case, ctx.profile, {},
+                    timing=Timing([r[0] * 1e6 for r in main.runs], "wall"),
                     derived=derived, telemetry=rec or None, verification=verification)
+
+
+class _Runtime:
+    """One runtime serving the case's workload: ``adapters`` LoRA adapters (0: no LoRA), its
+    graphs, warm-up, untimed pass (tokens and top-2 margins kept for verification) and timed
+    passes."""
+
+    def __init__(self, case: ThroughputCase, ctx: Context, spec: WorkloadSpec,
+                 adapters: int) -> None:
+        self.ctx, device = ctx, ctx.device
+        dtype = getattr(torch, case.dtype)
+        prompt, output = spec.prompt_len, spec.output_len
+        self.config = config = PRESETS[case.preset](case.layers)
+        model = LlamaForCausalLM.random(config, dtype, device, seed=0)
+        lora = None
+        if adapters:
+            rank = int(case.ranks)
+            slots = min(len(spec.adapter_names), 16)
+            lora = LoRAManager(model, LoRAConfig(slots, rank, backend="triton" if device.type ==
+                                                 "cuda" else "torch"))
+            for i, name in enumerate(spec.adapter_names):
+                lora.load_adapter(name, random_adapter(config, name, rank, seed=i, dtype=dtype))
+        max_batch = min(32, case.requests)
+        kv = KVCache(config, max_batch * (prompt + output) + 64, dtype, device)
+        self.runner = ModelRunner(model, kv, lora)
+        buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch] + [max_batch]
+        self.sched = SchedulerConfig(max_batch_size=max_batch)
+        self.graphs = [
+            GraphRunner.decode(self.runner, buckets, prompt + output + 8).capture(),
+            GraphRunner.prefill(self.runner, prefill_buckets(prompt, max_batch,
+                                                             self.sched.max_step_tokens),
+                                max_batch, max_prefix=prompt).capture()]
+        self.warm = Engine(self.runner, self.sched, self.graphs).warm_up()
+        self.passes: list[list[list[int]]] = []
+        self.margins: dict[int, list[float]] = {}
+        self.runs: list[tuple] = []
+
+    def untimed_pass(self, workload) -> None:
+        engine = Engine(self.runner, self.sched, self.graphs, keep_logits=True)
+        reqs = serve(engine, workload)
+        self.margins = {i: [float(t[0] - t[1]) for t in
+                            (row.float().topk(2).values for row in engine.logits[r.id])]
+                        for i, r in enumerate(reqs)}
+        self.passes.append([list(r.output) for r in reqs])
+
+    def timed_pass(self, workload) -> None:
+        engine = Engine(self.runner, self.sched, self.graphs)
+        with self.ctx.telemetry.span() as rec:
+            t0 = engine.clock()
+            reqs = serve(engine, workload)
+            _sync(self.ctx.device)
+            wall = engine.clock() - t0
+        self.runs.append((wall, reqs, engine.timeline, rec))
+        self.passes.append([list(r.output) for r in reqs])
+
+    def release(self) -> None:
+        self.graphs.clear()
 
 
 def _compiles(timeline) -> int | None:

@@ -1,6 +1,7 @@
-"""The idle, DP and attention suites of ``python -m bench``: verified rows carry the fields the
-report draws; a case failing verification is failed and not timed; a DP size the machine
-cannot run is skipped with the reason, a failed spawn fails its cases."""
+"""The idle, DP, attention and throughput suites of ``python -m bench``: verified rows carry
+the fields the report draws; a case failing verification is failed and not timed; a DP size
+the machine cannot run is skipped with the reason, a failed spawn fails its cases; a LoRA
+throughput case interleaves its timed passes with a base runtime's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import pytest
 import torch
 
-from bench import attention_bench, attention_suite, dp_suite, idle_bench
+from bench import attention_bench, attention_suite, dp_suite, idle_bench, throughput_bench
 from bench.attention_bench import AttentionCase
 from bench.context import Context
 from bench.hardware import Ceilings
@@ -121,3 +122,37 @@ def test_an_attention_case_off_the_reference_is_failed_and_not_timed(monkeypatch
     assert row["verification"]["status"] == "failed" and "relative error" in \
         row["verification"]["error"]
     assert row["stats"] is None
+
+
+THROUGHPUT = throughput_bench.cases("tiny", 1, "float32", 8, 3, 4, [(2, "uniform")], 4)[0]
+
+
+def _record_passes(monkeypatch, corrupt_base: bool = False) -> list[str]:
+    order, real = [], throughput_bench._Runtime.timed_pass
+
+    def timed_pass(self, workload):
+        real(self, workload)
+        order.append("lora" if self.runner.lora is not None else "base")
+        if corrupt_base and self.runner.lora is None:
+            self.passes[-1][0] = self.passes[-1][0][:-1]  # a request one token short
+
+    monkeypatch.setattr(throughput_bench._Runtime, "timed_pass", timed_pass)
+    return order
+
+
+def test_a_lora_throughput_case_interleaves_a_base_runtime(monkeypatch):
+    order = _record_passes(monkeypatch)
+    row = throughput_bench.run_case(THROUGHPUT, CTX)
+    assert order == ["base", "lora"] * throughput_bench.TIMED_PASSES
+    d = row["derived"]
+    assert row["verification"]["status"] == "verified", row["verification"]
+    assert d["pct_of_base"] == pytest.approx(
+        100 * d["output_tokens_per_s"] / d["base_output_tokens_per_s"])
+    assert d["output_tokens"] == 4 * 3 and row["stats"]["n"] == throughput_bench.TIMED_PASSES
+
+
+def test_a_throughput_case_whose_base_runtime_falls_short_is_failed(monkeypatch):
+    _record_passes(monkeypatch, corrupt_base=True)
+    row = throughput_bench.run_case(THROUGHPUT, CTX)
+    assert row["verification"]["status"] == "failed"
+    assert "interleaved base runtime" in row["verification"]["error"]
