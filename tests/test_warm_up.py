@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import DEVICE, ON_GPU
 from engine_world import EngineWorld
+from runtime_helpers import drawn_adapter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -87,6 +88,17 @@ def test_warm_up_refuses_a_busy_engine_or_an_unknown_adapter(world):
     assert eng.scheduler.waiting[0] is req and not eng.timeline
     eng.run()
     assert len(req.output) == 2
+
+
+def test_warm_up_with_every_slot_pinned(world):
+    """Its default adapters start with the pinned ones: an unpinned one could never run."""
+    eng = world.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=16))
+    # Sorts before every "adN": by name alone the warm-up would pick it, and it never runs.
+    eng.load_adapter("a0-unpinned", drawn_adapter(world.config, "a0-unpinned", 99, max_rank=8))
+    for name in [world.new_adapter(eng, pinned=True) for _ in range(world.slots)]:
+        assert name in eng.lora.pool.pinned
+    report = eng.warm_up()
+    assert report.steps > 0 and not eng.has_work and not eng.timeline
 
 
 @pytest.mark.gpu

@@ -156,14 +156,17 @@ class Engine:
     def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
         """Serves the warm-up workload (``warm_up.py``) eagerly before any request, so the
         kernel variants serving meets compile now, not mid-step; then forgets it (timeline,
-        finished requests). ``adapters``: cycled over the requests; default every loaded adapter the
-        slots hold, and the base model. Under DP every rank calls it with the same adapters."""
+        finished requests). ``adapters``: cycled over the requests; default the loaded adapters the
+        slots hold (pinned ones first), and the base model. Under DP every rank calls it with the same adapters."""
         if self.has_work:
             raise RuntimeError("warm_up runs before serving, but the engine has requests; "
                                "call it right after loading the adapters")
         if adapters is None:
             slots = self.lora.config.max_loras_per_batch if self.lora is not None else 0
-            loaded = sorted(self.lora.adapters) if self.lora is not None else []
+            pinned = set(self.lora.pool.pinned) if self.lora is not None else set()
+            # Pinned ones first: when they hold every slot, no other adapter could run.
+            loaded = sorted(self.lora.adapters, key=lambda n: (n not in pinned, n)) \
+                if self.lora is not None else []
             adapters = [*loaded[:slots], None]
         for a in adapters:
             if a is not None and (self.lora is None or a not in self.lora.adapters):
