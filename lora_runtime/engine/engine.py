@@ -156,8 +156,9 @@ class Engine:
     def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
         """Serves the warm-up workload (``warm_up.py``) eagerly before any request, so the
         kernel variants serving meets compile now, not mid-step; then forgets it (timeline,
-        finished requests). ``adapters``: cycled over the requests; default the loaded adapters the
-        slots hold (pinned ones first), and the base model. Under DP every rank calls it with the same adapters."""
+        finished requests). ``adapters``: cycled over the requests; default the loaded
+        adapters the slots hold (pinned ones first), and the base model. Under DP every rank
+        calls it with the same adapters."""
         if self.has_work:
             raise RuntimeError("warm_up runs before serving, but the engine has requests; "
                                "call it right after loading the adapters")
