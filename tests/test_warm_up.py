@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import DEVICE, ON_GPU
 from engine_world import EngineWorld
-from runtime_helpers import drawn_adapter
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runtime_helpers import drawn_adapter
 
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.warm_up import ladder, warm_up_phases
