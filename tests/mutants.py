@@ -73,10 +73,10 @@ MUTANTS = [
     Mutant("block_m_from_segment_length",
            "the block size follows the batch's longest request (a per-batch Python int)",
            "lora_runtime/lora/manager.py",
-           (("rows = plan_segments(slots, batch.extend_lens, block_m=EXTEND_BLOCK_M,",
-             "rows = plan_segments(slots, batch.extend_lens,\n"
-             "                                 block_m=max(16, 1 << (max(batch.extend_lens)"
-             " - 1).bit_length()),"),)),
+           (("rows = SegmentSpec(tuple(slots), tuple(batch.extend_lens), EXTEND_BLOCK_M, skip)",
+             "rows = SegmentSpec(tuple(slots), tuple(batch.extend_lens),\n"
+             "                               max(16, 1 << (max(batch.extend_lens) - 1)"
+             ".bit_length()), skip)"),)),
     Mutant("idle_keeps_previous_slots",
            "an idle replay keeps the previous batch's slots in the static buffers",
            "lora_runtime/lora/manager.py",
