@@ -18,7 +18,7 @@ from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from lora_runtime.engine.warm_up import WarmUpReport, prompt_ids, warm_up_phases
+from lora_runtime.engine.warm_up import WarmUpReport, warm_up
 
 
 class GraphReplayer(Protocol):
@@ -159,41 +159,7 @@ class Engine:
         finished requests). ``adapters``: cycled over the requests; default the loaded
         adapters the slots hold (pinned ones first), and the base model. Under DP every rank
         calls it with the same adapters."""
-        if self.has_work:
-            raise RuntimeError("warm_up runs before serving, but the engine has requests; "
-                               "call it right after loading the adapters")
-        if adapters is None:
-            slots = self.lora.config.max_loras_per_batch if self.lora is not None else 0
-            pinned = set(self.lora.pool.pinned) if self.lora is not None else set()
-            # Pinned ones first: when they hold every slot, no other adapter could run.
-            loaded = sorted(self.lora.adapters, key=lambda n: (n not in pinned, n)) \
-                if self.lora is not None else []
-            adapters = [*loaded[:slots], None]
-        for a in adapters:
-            if a is not None and (self.lora is None or a not in self.lora.adapters):
-                raise ValueError(f"warm_up: adapter {a!r} is not loaded; load it first")
-        t0, jit0 = time.perf_counter(), jit_watch.count()
-        marks = len(self.timeline), len(self.finished)
-        vocab = self.runner.model.config.vocab_size
-        phases = warm_up_phases(self.config.max_step_tokens, self.config.max_batch_size,
-                                self.kv.max_tokens, adapters)
-        # Eagerly: a captured graph compiled its kernels at capture, and any step (under DP, a
-        # step whose ranks disagree on the mode) may run eagerly.
-        graphs, self.graphs = self.graphs, []
-        try:
-            for i, phase in enumerate(phases):
-                reqs = [self.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
-                                         max_new_tokens=r.max_new_tokens) for r in phase]
-                self.run()
-                for r in reqs:
-                    self.logits.pop(r.id, None)
-        finally:
-            self.graphs = graphs
-        steps = len(self.timeline) - marks[0]
-        del self.timeline[marks[0]:], self.finished[marks[1]:]
-        jit = jit_watch.count()
-        return WarmUpReport(time.perf_counter() - t0, steps,
-                            None if jit is None else jit - jit0)
+        return warm_up(self, adapters)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """Logits of the batch's requests: a graph replay when one fits, else eager."""

@@ -20,8 +20,15 @@ sides; a shape between two rungs that flips a heuristic threshold can still comp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kernels import jit_watch
+
+if TYPE_CHECKING:
+    from lora_runtime.engine.engine import Engine
 
 BATCH_PROMPT = 130
 """Prompt length of the batch sweep: past two 64-key tiles, so small decode batches split
@@ -71,3 +78,42 @@ def warm_up_phases(max_step_tokens: int, max_batch_size: int, kv_tokens: int,
 
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
     return [(7 * i + 13 * seed + 3) % vocab for i in range(n)]
+
+
+def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpReport:
+    """``Engine.warm_up``: serves the phases eagerly, then forgets them."""
+    if engine.has_work:
+        raise RuntimeError("warm_up runs before serving, but the engine has requests; "
+                           "call it right after loading the adapters")
+    if adapters is None:
+        slots = engine.lora.config.max_loras_per_batch if engine.lora is not None else 0
+        pinned = set(engine.lora.pool.pinned) if engine.lora is not None else set()
+        # Pinned ones first: when they hold every slot, no other adapter could run.
+        loaded = sorted(engine.lora.adapters, key=lambda n: (n not in pinned, n)) \
+            if engine.lora is not None else []
+        adapters = [*loaded[:slots], None]
+    for a in adapters:
+        if a is not None and (engine.lora is None or a not in engine.lora.adapters):
+            raise ValueError(f"warm_up: adapter {a!r} is not loaded; load it first")
+    t0, jit0 = time.perf_counter(), jit_watch.count()
+    marks = len(engine.timeline), len(engine.finished)
+    vocab = engine.runner.model.config.vocab_size
+    phases = warm_up_phases(engine.config.max_step_tokens, engine.config.max_batch_size,
+                            engine.kv.max_tokens, adapters)
+    # Eagerly: a captured graph compiled its kernels at capture, and any step (under DP, a
+    # step whose ranks disagree on the mode) may run eagerly.
+    graphs, engine.graphs = engine.graphs, []
+    try:
+        for i, phase in enumerate(phases):
+            reqs = [engine.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
+                                     max_new_tokens=r.max_new_tokens) for r in phase]
+            engine.run()
+            for r in reqs:
+                engine.logits.pop(r.id, None)
+    finally:
+        engine.graphs = graphs
+    steps = len(engine.timeline) - marks[0]
+    del engine.timeline[marks[0]:], engine.finished[marks[1]:]
+    jit = jit_watch.count()
+    return WarmUpReport(time.perf_counter() - t0, steps,
+                        None if jit is None else jit - jit0)
