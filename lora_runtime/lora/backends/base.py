@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import LoRAWeights, SegmentLayout, SegmentPlan, SegmentSpec, StaticSegmentLayout
+from kernels import LoRAWeights, SegmentLayout, StaticSegmentLayout
 from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
 from lora_runtime.lora.linear_schedule import lora_linear
 
@@ -146,24 +146,18 @@ class LoRABackend:
         the buffers already hold (same ``SegmentSpec``) is neither planned nor copied again;
         every other one is planned before any buffer is written."""
         gathered_rows = 0
-        todo = [(buffers.tokens, None if plan is None else plan.rows_spec, rows),
-                (buffers.logits, None if plan is None else plan.logits_spec, requests)]
+        # (layout, its spec, its view's rows, the plan's field holding its planned layout)
+        todo = [(buffers.tokens, None if plan is None else plan.rows_spec, rows, "rows"),
+                (buffers.logits, None if plan is None else plan.logits_spec, requests,
+                 "logits_rows")]
         if buffers.gathered is not None:
             gathered_rows = rows * (buffers.gathered.max_rows // buffers.tokens.max_rows)
             todo.append((buffers.gathered, None if plan is None else plan.gathered_spec,
-                         gathered_rows))
-        todo = [(layout, spec, n) for layout, spec, n in todo
-                if spec is None or not layout.holds(spec, n)]
-        plans = [None if spec is None else _planned(plan, spec) for _, spec, _ in todo]
-        for (layout, spec, n), p in zip(todo, plans, strict=True):
+                         gathered_rows, "gathered"))
+        todo = [t for t in todo if t[1] is None or not t[0].holds(t[1], t[2])]
+        plans = [None if spec is None else getattr(plan, field) for _, spec, _, field in todo]
+        for (layout, spec, n, _), p in zip(todo, plans, strict=True):
             layout.write(p, n, spec)
         gathered = None if buffers.gathered is None else buffers.gathered.view(gathered_rows)
         self._set(LoRABatchInfo(buffers.tokens.view(rows)), buffers.logits.view(requests),
                   gathered)
-
-
-def _planned(plan: LoRABatchPlan, spec: SegmentSpec) -> SegmentPlan:
-    """``plan``'s layout of ``spec`` (planned once per plan, shared with eager use)."""
-    if spec is plan.rows_spec:
-        return plan.rows
-    return plan.logits_rows if spec is plan.logits_spec else plan.gathered
