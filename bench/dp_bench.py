@@ -7,8 +7,8 @@ each rank's share of step time spent in idle forwards, and what one idle forward
 agreed smallest decode bucket replayed with no local rows, LoRA variant and base variant, in
 lockstep on every rank).
 
-    python -m bench.dp_bench --sizes 1 2 --layers 4 --out results/runs/dp.json
-    torchrun --nproc-per-node 2 -m bench.dp_bench --out dp.json   # the ranks started by torchrun
+    python -m bench.dp_bench --sizes 1 2 4 --layers 4 --out results/runs/dp.json
+    torchrun --nproc-per-node 4 -m bench.dp_bench --out dp.json   # the ranks started by torchrun
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ TIMED_PASSES = 3
 """Timed passes per case (a pass is 0.3-0.5 s on the H200 and single passes swung by 15%);
 the row reports the median one."""
 LOADS = {"balanced": ("round_robin", 0.0), "skewed": ("skewed", 0.85)}
-WORKLOAD = ("requests", "prompt", "output", "max_batch")
+WORKLOAD = ("requests_per_rank", "prompt", "output", "max_batch")
+"""A case's workload scales with its DP size (weak scaling): ``requests_per_rank`` times the
+size, so every size fills its ranks' batches alike and the sizes compare per rank."""
 
 
 def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
@@ -80,7 +82,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
                                              backend="triton" if device.type == "cuda"
                                              else "torch"))
     bs = opts["max_batch"]
-    spec = WorkloadSpec(opts["requests"], opts["prompt"], opts["output"],
+    requests = opts["requests_per_rank"] * size
+    spec = WorkloadSpec(requests, opts["prompt"], opts["output"],
                         popularity="uniform" if adapters else "none",
                         num_adapters=max(adapters, 1), seed=1)
     kv = KVCache(config, bs * (opts["prompt"] + opts["output"]) + 64, dtype, device)
@@ -131,7 +134,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
                   adapters, str(r) if adapters else "-")
     per_rank = [float(s) for s in all_shares]
     derived = {
-        "output_tokens_per_s": int(tokens) / wall, "requests_per_s": opts["requests"] / wall,
+        "output_tokens_per_s": int(tokens) / wall, "requests_per_s": requests / wall,
         "output_tokens": int(tokens), "duration_s": wall, "steps": len(steps),
         "pass_walls_s": [float(w) for w in walls],
         "idle_share": sum(per_rank) / size, "idle_share_per_rank": per_rank,
@@ -144,7 +147,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         "idle_forward_lora_us": idle_lora if adapters else None, "idle_forward_base_us": idle_base,
         "ranks_run_on": min(size, max(torch.cuda.device_count(), 1)) if device.type == "cuda"
         else 0,
-        "workload": {k: opts[k] for k in WORKLOAD},
+        "workload": {"requests": requests} | {k: opts[k] for k in WORKLOAD},
     }
     timing = Timing([s.seconds * 1e6 for s in steps], "wall") if steps else None
     verification = {"status": "verified" if int(tokens) == sum(
@@ -198,7 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 4])
     p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests-per-rank", type=int, default=64,
+                   help="requests of a case per DP rank (a case of size N serves N times this)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=32)

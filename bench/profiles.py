@@ -100,16 +100,16 @@ def idle_cases(profile: str):
     return idle_bench.cases("tiny", 2, "float32", 16, (1, 4), 2, 8)
 
 
-DP_WORKLOAD = {  # requests, lengths and batch limit of every DP case of the profile
-    "gpu": {"requests": 64, "prompt": 128, "output": 64, "max_batch": 32},
-    "gpu-quick": {"requests": 32, "prompt": 128, "output": 32, "max_batch": 16},
-    "cpu": {"requests": 4, "prompt": 6, "output": 3, "max_batch": 2},
+DP_WORKLOAD = {  # requests per rank, lengths and batch limit of every DP case of the profile
+    "gpu": {"requests_per_rank": 64, "prompt": 128, "output": 64, "max_batch": 32},
+    "gpu-quick": {"requests_per_rank": 32, "prompt": 128, "output": 32, "max_batch": 16},
+    "cpu": {"requests_per_rank": 2, "prompt": 6, "output": 3, "max_batch": 2},
 }
 
 
 def dp_cases(profile: str):
     if profile == "gpu":
-        return dp_suite.cases("llama3-8b", 4, "bfloat16", (1, 2), ("balanced", "skewed"),
+        return dp_suite.cases("llama3-8b", 4, "bfloat16", (1, 2, 4, 8), ("balanced", "skewed"),
                               (0, 4), 16)
     if profile == "gpu-quick":
         return dp_suite.cases("llama3-8b", 2, "bfloat16", (1, 2), ("skewed",), (0, 4), 16)

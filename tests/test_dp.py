@@ -110,20 +110,57 @@ def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
     assert elapsed < 60, f"rank 0 took {elapsed:.0f}s to stop"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-@pytest.mark.parametrize("policy", ["skewed", "round_robin"])
-def test_dp2_nccl_cuda_graphs_bf16(policy, tmp_path, capsys):
-    """After the warm-up no step compiles a kernel (a compile stalls every rank)."""
-    opts = {"n": 16, "policy": policy, "share": 0.8, "graphs": True, "seed": 7, "cuda": True,
-            "backend": "triton", "warm_up": True}
-    results = _serve(2, opts, tmp_path)
+def _gpu_stats(size: int, results: list[dict], opts: dict, capsys, how: str) -> dict:
     stats = _check(results, opts, _gpu_reference(), torch.bfloat16)
     with capsys.disabled():
-        print(f"\n[dp gpu] size=2 policy={policy} {stats}")
-    assert all(g > 0 for g in stats["graph_steps"])
-    assert stats["compiles"] == [0, 0], (f"steps compiled kernels after the warm-up: {stats}; "
-                                         f"{[(r['compiled'], r['steps']) for r in results]}")
+        print(f"\n[dp gpu] size={size} {how} policy={opts['policy']} "
+              f"graphs={opts['graphs']} {stats}")
+    assert sum(stats["idle_steps"]) > 0, "the workload must make some rank idle"
+    if opts["graphs"]:
+        assert all(g > 0 for g in stats["graph_steps"]), "every rank must replay graphs"
+        assert all(g > 0 for g in stats["graph_prefill_steps"]), "prefill graphs run under DP"
+    assert stats["compiles"] == [0] * size, (
+        f"steps compiled kernels after the warm-up: {stats}; "
+        f"{[(r['compiled'], r['steps']) for r in results]}")
+    return stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,policy,graphs", [
+    (2, "skewed", True), (2, "round_robin", True), (4, "skewed", True),
+    (4, "round_robin", False), (8, "skewed", True), (8, "round_robin", False),
+])
+def test_dp_nccl_bf16(size, policy, graphs, tmp_path, capsys):
+    """One rank per GPU over NCCL, eager and with decode and prefill graphs. After the warm-up
+    no step compiles a kernel (a compile stalls every rank)."""
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs (NCCL, one rank per GPU); "
+                    f"{torch.cuda.device_count()} present")
+    opts = {"n": 8 * size, "policy": policy, "share": 0.8, "graphs": graphs, "seed": 7,
+            "cuda": True, "backend": "triton", "warm_up": True}
+    _gpu_stats(size, _serve(size, opts, tmp_path), opts, capsys, "spawn")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_torchrun_nccl_on_every_gpu(tmp_path, capsys):
+    """The ranks started by torchrun itself, one per GPU of the machine, with graphs: every
+    request's logits equal the DP=1 reference."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this python")
+    size = torch.cuda.device_count()
+    opts = {"n": 8 * size, "policy": "skewed", "share": 0.8, "graphs": True, "seed": 11,
+            "cuda": True, "backend": "triton", "warm_up": True}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+               DP_TIMEOUT_S="60")
+    p = subprocess.run([str(torchrun), "--nproc-per-node", str(size), "--master-port",
+                        str(free_port()), str(ROOT / "tests" / "dp_world.py"), str(size),
+                        json.dumps(opts), str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
+    _gpu_stats(size, results, opts, capsys, "torchrun")
 
 
 def test_torchrun_launches_the_dp_benchmark(tmp_path):
@@ -135,11 +172,13 @@ def test_torchrun_launches_the_dp_benchmark(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
                         str(free_port()), "-m", "bench.dp_bench", "--preset", "tiny",
-                        "--layers", "1", "--adapters", "2", "--loads", "skewed", "--requests",
-                        "6", "--prompt", "6", "--output", "3", "--max-batch", "4",
-                        "--timeout", "30", "--out", str(out)], cwd=ROOT, env=env,
+                        "--layers", "1", "--adapters", "2", "--loads", "skewed",
+                        "--requests-per-rank", "3", "--prompt", "6", "--output", "3",
+                        "--max-batch", "4", "--timeout", "30", "--out", str(out)],
+                       cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     [row] = json.loads(out.read_text())["rows"]
     assert row["dp_size"] == 2 and row["verification"]["status"] == "verified"
     assert len(row["derived"]["idle_share_per_rank"]) == 2
+    assert row["derived"]["workload"]["requests"] == 6, "3 requests per rank, 2 ranks"
