@@ -4,8 +4,8 @@ engine's warm-up (``Engine.warm_up``), an untimed pass of an offline workload, t
 ``TIMED_PASSES`` timed passes of it (the median reported, with the Triton compiles of every
 timed pass: 0 after a complete warm-up), giving output tokens/s, the step times of rank 0,
 each rank's share of step time spent in idle forwards, and what one idle forward costs (the
-agreed smallest decode bucket replayed with no local rows, LoRA variant and base variant, in
-lockstep on every rank).
+agreed smallest decode bucket replayed with no local rows, in the LoRA, peers and base
+variants, in lockstep on every rank).
 
     python -m bench.dp_bench --sizes 1 2 4 --layers 4 --out results/runs/dp.json
     torchrun --nproc-per-node 4 -m bench.dp_bench --out dp.json   # the ranks started by torchrun
@@ -125,9 +125,9 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     torch.distributed.all_reduce(tokens, group=dp.cpu_group)
     all_shares = [torch.zeros(1, dtype=torch.float64) for _ in range(size)]
     torch.distributed.all_gather(all_shares, shares, group=dp.cpu_group)
-    idle_lora, idle_base = (_idle_forward_us(eng, graphs[0], v, dp, device,
-                                             opts.get("idle_reps", 50))
-                            for v in ("lora", "base"))
+    idle = {v: _idle_forward_us(eng, graphs[0], v, dp, device, opts.get("idle_reps", 50))
+            for v in ("lora", "peers", "base")}
+    idle_lora, idle_base = idle["lora"], idle["base"]
     graphs.clear()
     eng.graphs.clear()  # captured collectives must be released before leaving the group
     case = DPCase(opts["preset"], opts["layers"], str(dtype).removeprefix("torch."), size, load,
@@ -143,8 +143,10 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         "graph_steps": sum(st.graph for st in steps),
         "eager_seconds_share": sum(st.seconds for st in steps if not st.graph)
         / max(1e-9, sum(st.seconds for st in steps)),
-        "idle_forward_us": idle_lora if adapters else idle_base,
-        "idle_forward_lora_us": idle_lora if adapters else None, "idle_forward_base_us": idle_base,
+        "idle_forward_us": next(idle[v] for v in ("peers", "lora", "base") if idle[v] == idle[v]),
+        "idle_forward_lora_us": idle_lora if adapters else None,
+        "idle_forward_peers_us": idle["peers"] if idle["peers"] == idle["peers"] else None,
+        "idle_forward_base_us": idle_base,
         "ranks_run_on": min(size, max(torch.cuda.device_count(), 1)) if device.type == "cuda"
         else 0,
         "workload": {"requests": requests} | {k: opts[k] for k in WORKLOAD},
@@ -158,8 +160,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     if rank == 0:
         print(f"[dp] size={size} {load:8} adapters={adapters:2} "
               f"{derived['output_tokens_per_s']:9.1f} tok/s  idle share per rank "
-              f"{[round(s, 3) for s in per_rank]}  idle forward lora/base "
-              f"{idle_lora:.1f}/{idle_base:.1f} us", flush=True)
+              f"{[round(s, 3) for s in per_rank]}  idle forward lora/peers/base "
+              f"{idle_lora:.1f}/{idle['peers']:.1f}/{idle_base:.1f} us", flush=True)
     return row
 
 
@@ -170,9 +172,11 @@ def _idle_share(steps) -> float:
 
 def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> float:
     """Every rank replays the smallest decode bucket with no local rows (an all-idle step's
-    forward), the agreed variant; median time per forward (ms on the device clock)."""
+    forward) in ``variant`` (``peers``: what an idle rank replays while its peers' rows have
+    adapters; ``lora``: the full variant, its attention-side LoRA launching for nothing);
+    median wall time per forward, synced, in us."""
     bucket = graph.buffers.buckets[0]
-    if variant == "lora" and eng.lora is None:
+    if variant != "base" and (eng.lora is None or (variant, bucket) not in graph.graphs):
         return float("nan")
     gathered = GatheredRows(ForwardMode.DECODE, bucket, ((),) * dp.size, ((),) * dp.size)
     batch = ForwardBatch.idle(eng.lora, device, gathered)

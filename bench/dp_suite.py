@@ -81,7 +81,8 @@ def _all(group: list[DPCase], ctx: Context, status: str, error: str) -> dict[str
 def table(rows: list[dict]) -> str:
     from bench.table import fmt, render
 
-    head = ["case", "tokens/s", "req/s", "idle share per rank", "idle forward LoRA / base us",
+    head = ["case", "tokens/s", "req/s", "idle share per rank",
+            "idle forward LoRA / peers / base us",
             "graph steps", "status"]
     body = []
     for r in rows:
@@ -91,6 +92,7 @@ def table(rows: list[dict]) -> str:
                      fmt(d.get("requests_per_s"), ".2f"),
                      "-" if shares is None else " ".join(f"{s:.2f}" for s in shares),
                      f"{fmt(d.get('idle_forward_lora_us'))} / "
+                     f"{fmt(d.get('idle_forward_peers_us'))} / "
                      f"{fmt(d.get('idle_forward_base_us'))}",
                      fmt(d.get("graph_steps"), "d"), r["verification"]["status"]])
     return render(head, body)

@@ -19,7 +19,8 @@ idle (``IdleCase``; variant ``{"runtime": "lora"|"no_lora", "path": "eager"|"gra
 dp (``DPCase``; variant ``{}``; ``timing``: step times of rank 0)
     derived: ``output_tokens_per_s``, ``requests_per_s``, ``idle_share`` (mean over ranks of
     the share of step time spent in idle forwards), ``idle_share_per_rank`` (list),
-    ``idle_forward_us`` (one idle forward; ``idle_forward_lora_us`` and
+    ``idle_forward_us`` (one idle forward in the variant an idle rank replays: ``peers`` with
+    LoRA, else ``base``; ``idle_forward_lora_us``, ``idle_forward_peers_us`` and
     ``idle_forward_base_us`` per variant), ``ranks_run_on`` (GPUs used), ``workload``
     (``requests_per_rank`` and the case's total ``requests``: weak scaling).
 """

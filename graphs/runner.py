@@ -1,12 +1,17 @@
 """``GraphRunner``: captures one graph per bucket (largest first), twice when LoRA is on (a
-graph with LoRA launches and one without), and replays the smallest bucket that fits.
+graph with LoRA launches and one without), and replays the smallest bucket that fits. Under
+DP attention it captures a third variant, ``peers``: LoRA on the MLP's gathered rows only,
+for a rank whose own rows have no adapter while its peers' do (an idle rank, or one serving
+base-only requests): its attention, embedding and lm_head then launch no LoRA kernel. The
+variants differ only in LoRA launches, never in collectives, so ranks may replay different
+ones in the same step.
 
 Replay contract (contracts 4-6): every tensor a replay reads is a static buffer refreshed in
 place just before it (the model inputs here, LoRA metadata through the backend's graph
 hooks); padding rows and idle replays leave LoRA neutral; a batch without adapters replays
 the graph without LoRA, and so does an idle one (nothing of its own to adapt), except on a
 data-parallel rank, whose MLP serves its peers' rows: the step agreement picks the variant
-there, and the rank's own rows stay neutral.
+there (``variant_for``), and the rank's own rows stay neutral.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.lora.backends import LoRAGraphBuffers
 from lora_runtime.nvtx import phase
 
-LORA, BASE = "lora", "base"
+LORA, PEERS, BASE = "lora", "peers", "base"
 
 
 @dataclass
@@ -63,11 +68,13 @@ class GraphRunner:
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> GraphRunner:
         buf = self.buffers
-        kinds = [LORA, BASE] if self.lora is not None else [BASE]
+        kinds = [BASE]
         if self.lora is not None:
             top = buf.buckets[-1]
             self.lora_buffers = self.lora.init_graph_buffers(buf.mode, buf.rows(top),
                                                              buf.requests(top))
+            peers = [PEERS] if self.lora_buffers.gathered is not None else []
+            kinds = [LORA, *peers, BASE]
         pool = new_pool(self.device)
         before = _pool_bytes(self.device)
         for bucket in reversed(buf.buckets):
@@ -106,6 +113,15 @@ class GraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.buffers.bucket_for(batch) is not None
 
+    def variant_for(self, batch: ForwardBatch, step_has_adapters: bool) -> str:
+        """The variant this rank replays when the step (every rank's rows) does or does not
+        have adapters: ``peers`` where this rank's own rows have none and it was captured."""
+        if self.lora is None or not step_has_adapters:
+            return BASE
+        if batch.has_adapters or (PEERS, self.buffers.buckets[0]) not in self.graphs:
+            return LORA
+        return PEERS
+
     def replay(self, batch: ForwardBatch, bucket: int | None = None,
                variant: str | None = None) -> torch.Tensor:
         """Logits of the batch's requests. The tensor is a view of a static output: valid
@@ -118,9 +134,10 @@ class GraphRunner:
                              f"(buckets {self.buffers.buckets}, asked {bucket}); check "
                              "can_run() first")
         idle = batch.mode is ForwardMode.IDLE
-        peers = idle and self.dp is not None  # an idle DP rank's MLP serves its peers' rows
-        kind = LORA if self.lora is not None and (peers or batch.has_adapters) else BASE
-        kind = kind if variant is None else variant
+        if variant is None:  # an idle DP rank's MLP serves its peers' rows
+            variant = self.variant_for(batch, (idle and self.dp is not None)
+                                       or batch.has_adapters)
+        kind = variant
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
                              f"but bucket {bucket} holds {self.buffers.rows(bucket)}")
@@ -141,10 +158,11 @@ class GraphRunner:
             self.lora.reset_lora_batch()
             return
         rows, requests = self.buffers.rows(bucket), self.buffers.requests(bucket)
+        local = kind == LORA
         if capture:
-            self.lora.prepare_for_capture(self.lora_buffers, rows, requests)
+            self.lora.prepare_for_capture(self.lora_buffers, rows, requests, local)
         else:
-            self.lora.prepare_for_replay(self.lora_buffers, batch, rows, requests)
+            self.lora.prepare_for_replay(self.lora_buffers, batch, rows, requests, local)
 
 
 def _pool_bytes(device: torch.device) -> int:

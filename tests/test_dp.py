@@ -60,6 +60,7 @@ def _check(results, opts, reference, dtype=torch.float32) -> dict:
             "graph_steps": [r["graph_steps"] for r in results],
             "graph_prefill_steps": [r["graph_prefill_steps"] for r in results],
             "base_variant_steps": [r["variants"].count("base") for r in results],
+            "peers_variant_steps": [r["variants"].count("peers") for r in results],
             "warm_up_steps": [r["warm_up_steps"] for r in results],
             "compiles": [sum(c or 0 for c in r["compiles"]) for r in results]}
 
@@ -82,6 +83,7 @@ def test_dp_logits_equal_the_dp1_reference(size, policy, graphs, tmp_path, refer
     if graphs:
         assert all(g > 0 for g in stats["graph_steps"]), "every rank must replay graphs"
         assert all(g > 0 for g in stats["graph_prefill_steps"]), "prefill graphs run under DP"
+        assert sum(stats["peers_variant_steps"]) > 0, "a rank without adapters replays peers"
 
 
 def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
@@ -119,6 +121,7 @@ def _gpu_stats(size: int, results: list[dict], opts: dict, capsys, how: str) -> 
     if opts["graphs"]:
         assert all(g > 0 for g in stats["graph_steps"]), "every rank must replay graphs"
         assert all(g > 0 for g in stats["graph_prefill_steps"]), "prefill graphs run under DP"
+        assert sum(stats["peers_variant_steps"]) > 0, "a rank without adapters replays peers"
     assert stats["compiles"] == [0] * size, (
         f"steps compiled kernels after the warm-up: {stats}; "
         f"{[(r['compiled'], r['steps']) for r in results]}")

@@ -33,15 +33,21 @@ def _spec(draw, rows: int) -> SegmentSpec:
 @settings(max_examples=60)
 @given(data=st.data())
 def test_any_sequence_leaves_the_last_batch_in_the_buffers(data):
+    """Replays of the LoRA variant, of the peers variant (``local=False``: only the gathered
+    layout is refreshed, the rank's own layouts keep what they held), idle replays and direct
+    writes, in any order."""
     backend = TorchBackend(SLOTS, "cpu")
     buffers = backend.init_capture_buffers(MAX_ROWS, MAX_ROWS, BLOCK_M, dp_size=2)
     pool = [_spec(data.draw, MAX_ROWS) for _ in range(3)]  # few: repeats are the point
+    want_rows = want_logits = want_gathered = None
     for _ in range(data.draw(st.integers(1, 8))):
-        action = data.draw(st.sampled_from(["replay", "replay", "replay", "idle", "direct"]))
+        action = data.draw(st.sampled_from(["replay", "replay", "peers", "idle", "direct"]))
         rows = data.draw(st.sampled_from([4, 8, MAX_ROWS]))
         if action == "direct":  # a write that names no spec (a capture does this)
             buffers.tokens.write(None, rows)
+            want_rows = None
             continue
+        local = action != "peers"
         if action == "idle":
             backend.prepare_for_replay(buffers, None, rows, rows)
             want_rows = want_logits = want_gathered = None
@@ -54,13 +60,24 @@ def test_any_sequence_leaves_the_last_batch_in_the_buffers(data):
                                                              lens[1], rows - lens[1]),
                                    BLOCK_M, NEUTRAL)
             plan = LoRABatchPlan(spec, _logits(spec), gathered)
-            backend.prepare_for_replay(buffers, plan, rows, rows)
-            want_rows, want_logits = spec.plan(), _logits(spec).plan()
+            backend.prepare_for_replay(buffers, plan, rows, rows, local)
+            if local:
+                want_rows, want_logits = spec.plan(), _logits(spec).plan()
             want_gathered = gathered.plan()
+        assert (backend.batch_info is None) is not local, "peers: no LoRA on the rank's rows"
+        assert (backend.logits_info is None) is not local
+        assert backend.gathered_info is not None
         for layout, want in ((buffers.tokens, want_rows), (buffers.logits, want_logits),
                              (buffers.gathered, want_gathered)):
             got = layout._buf.numpy()
             assert np.array_equal(got, _expected(want, layout)), "stale layout after a skip"
+
+
+def test_the_peers_variant_needs_the_gathered_layout():
+    backend = TorchBackend(SLOTS, "cpu")
+    buffers = backend.init_capture_buffers(MAX_ROWS, MAX_ROWS, BLOCK_M)
+    with pytest.raises(ValueError, match="gathered layout of DP attention"):
+        backend.prepare_for_replay(buffers, None, 8, 8, local=False)
 
 
 def _logits(spec: SegmentSpec) -> SegmentSpec:

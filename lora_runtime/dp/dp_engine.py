@@ -106,8 +106,7 @@ class DPEngine(Engine):
         if bucket is None:
             return self.runner.forward_eager(batch), None
         g = self._graphs_for(ag.mode)
-        variant = "lora" if lora and self.lora is not None else "base"
-        return g.replay(batch, bucket, variant), g
+        return g.replay(batch, bucket, g.variant_for(batch, lora)), g
 
     def _choose(self, ag: StepAgreement) -> tuple[int | None, bool]:
         """The bucket (None: eager) and variant this rank runs: the agreed ones."""

@@ -42,7 +42,8 @@ class StepRecord:
     """Replayed a captured graph (False: eager)."""
     bucket: int | None
     variant: str | None
-    """The graph variant replayed: ``lora`` or ``base`` (None: eager)."""
+    """The graph variant replayed: ``lora``, ``peers`` (under DP: LoRA on the gathered MLP
+    rows only) or ``base`` (None: eager)."""
     start: float
     seconds: float
     """Host time of the step, forward and sampling included (device work synchronised)."""

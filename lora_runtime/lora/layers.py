@@ -11,6 +11,7 @@ stay distinct types so a module map reads like a serving engine's.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import LoRAWeights
@@ -26,6 +27,9 @@ class LoRALayer(nn.Module):
         self.backend = backend
         self.lora = weights
         self.set_lora = True
+        # A plain nn.Linear base runs as F.linear when LoRA is off, so a base-only or idle
+        # eager forward costs no more module calls than a model without LoRA.
+        self.plain_linear = type(base) is nn.Linear
 
     @property
     def lora_active(self) -> bool:
@@ -34,9 +38,15 @@ class LoRALayer(nn.Module):
 
 class LinearWithLoRA(LoRALayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.lora_active:
-            return self.base(x)
-        return self.backend.linear(self.base, x.contiguous(), self.lora, self.rows)
+        # Module.__getattr__ costs ~1-2 us a lookup on a slow host (x 34 wrappers a forward):
+        # the base and its parameters are read from their registries, which stay current.
+        base = self._modules["base"]
+        if self.set_lora and self.backend.layout_ready(self.rows):  # lora_active, inlined
+            return self.backend.linear(base, x.contiguous(), self.lora, self.rows)
+        if not self.plain_linear:
+            return base(x)
+        params = base._parameters
+        return F.linear(x, params["weight"], params["bias"])
 
 
 class ColumnLinearWithLoRA(LinearWithLoRA):
@@ -74,8 +84,8 @@ class LMHeadWithLoRA(LinearWithLoRA):
 
 class VocabEmbeddingWithLoRA(LoRALayer):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        y = self.base(token_ids)
-        if self.lora_active:
+        y = self._modules["base"](token_ids)
+        if self.set_lora and self.backend.layout_ready(self.rows):  # lora_active, inlined
             self.backend.run_embedding(token_ids, y, self.lora)
         return y
 

@@ -108,20 +108,22 @@ class LoRAManager:
         dp_size = 1 if self.dp is None else self.dp.size
         return self.backend.init_capture_buffers(max_rows, max_requests, block_m, dp_size)
 
-    def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int) -> None:
-        """Points the batch state at ``buffers``, neutral, for capturing the LoRA variant."""
+    def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int,
+                            local: bool = True) -> None:
+        """Points the batch state at ``buffers``, neutral, for capturing a LoRA variant
+        (``local=False``: the peers variant, LoRA on the MLP's gathered rows only)."""
         self.reset_lora_batch()
-        self.backend.prepare_for_replay(buffers, None, rows, requests)
+        self.backend.prepare_for_capture(buffers, rows, requests, local)
 
     def prepare_for_replay(self, buffers: LoRAGraphBuffers, batch: ForwardBatch | None,
-                           rows: int, requests: int) -> None:
-        """Before replaying the LoRA variant: plans ``batch`` (None: idle, all neutral; under
+                           rows: int, requests: int, local: bool = True) -> None:
+        """Before replaying a LoRA variant: plans ``batch`` (None: idle, all neutral; under
         DP an idle batch with its gathered rows), then refreshes ``buffers`` in place. A
         planning error raises before any buffer is written."""
         with phase("plan"):
             plan = None if batch is None else self.plan_lora_batch(batch)
         with phase("buffer refresh"):
-            self.backend.prepare_for_replay(buffers, plan, rows, requests)
+            self.backend.prepare_for_replay(buffers, plan, rows, requests, local)
 
     # -- adapters ---------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,

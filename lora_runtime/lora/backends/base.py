@@ -136,20 +136,26 @@ class LoRABackend:
             layout(dp_size * max_rows, block_m) if dp_size > 1 else None,
         )
 
-    def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int) -> None:
+    def prepare_for_capture(self, buffers: LoRAGraphBuffers, rows: int, requests: int,
+                            local: bool = True) -> None:
         """Points ``batch_info`` at the static buffers, neutral, for a capture of this size."""
-        self.prepare_for_replay(buffers, None, rows, requests)
+        self.prepare_for_replay(buffers, None, rows, requests, local)
 
     def prepare_for_replay(self, buffers: LoRAGraphBuffers, plan: LoRABatchPlan | None,
-                           rows: int, requests: int) -> None:
+                           rows: int, requests: int, local: bool = True) -> None:
         """Refreshes the static buffers in place (None: an idle batch, all neutral). A layout
         the buffers already hold (same ``SegmentSpec``) is neither planned nor copied again;
-        every other one is planned before any buffer is written."""
+        every other one is planned before any buffer is written. ``local=False`` (under DP,
+        a rank whose own rows have no adapter): only the MLP's gathered layout is refreshed
+        and set; ``batch_info`` stays None, so the rank's own layers run no LoRA."""
+        if not local and buffers.gathered is None:
+            raise ValueError("local=False needs the gathered layout of DP attention")
         gathered_rows = 0
         # (layout, its spec, its view's rows, the plan's field holding its planned layout)
-        todo = [(buffers.tokens, None if plan is None else plan.rows_spec, rows, "rows"),
-                (buffers.logits, None if plan is None else plan.logits_spec, requests,
-                 "logits_rows")]
+        todo = [] if not local else [
+            (buffers.tokens, None if plan is None else plan.rows_spec, rows, "rows"),
+            (buffers.logits, None if plan is None else plan.logits_spec, requests,
+             "logits_rows")]
         if buffers.gathered is not None:
             gathered_rows = rows * (buffers.gathered.max_rows // buffers.tokens.max_rows)
             todo.append((buffers.gathered, None if plan is None else plan.gathered_spec,
@@ -159,5 +165,8 @@ class LoRABackend:
         for (layout, spec, n, _), p in zip(todo, plans, strict=True):
             layout.write(p, n, spec)
         gathered = None if buffers.gathered is None else buffers.gathered.view(gathered_rows)
+        if not local:
+            self._set(None, None, gathered)
+            return
         self._set(LoRABatchInfo(buffers.tokens.view(rows)), buffers.logits.view(requests),
                   gathered)
