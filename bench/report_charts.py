@@ -150,18 +150,25 @@ def dp(rows) -> list[go.Figure]:
          and r["derived"].get("output_tokens_per_s") is not None]
     if not d:
         return []
-    series, idle_share = defaultdict(list), defaultdict(list)
+    series, idle_share, idle_us = defaultdict(list), defaultdict(list), defaultdict(list)
     for r in d:
         lora = f"adapters={r['adapters']} r={r['ranks']}" if r["adapters"] else "no LoRA"
         series[f"{r['load']}, {lora}"].append((r["dp_size"], r["derived"]["output_tokens_per_s"]))
         if r["derived"].get("idle_share") is not None:
             idle_share[f"{r['load']}, {lora}"].append((r["dp_size"],
                                                        100 * r["derived"]["idle_share"]))
+        for variant in ("lora", "peers", "base") if r["adapters"] else ():
+            us = r["derived"].get(f"idle_forward_{variant}_us")
+            if us is not None:
+                idle_us[f"{variant} variant, {r['load']}"].append((r["dp_size"], us))
     figs = [_lines(_fig("DP scaling: output tokens/s vs DP size", "DP size", "output tokens/s"),
                    dict(sorted(series.items())))]
     if idle_share:
         figs.append(_lines(_fig("Share of rank time in idle forwards", "DP size", "% of time"),
                            dict(sorted(idle_share.items()))))
+    if idle_us:
+        figs.append(_lines(_fig("One idle forward per graph variant (LoRA runtime)", "DP size",
+                                "us"), dict(sorted(idle_us.items()))))
     return figs
 
 

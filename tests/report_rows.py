@@ -62,7 +62,9 @@ def rows(scale: float = 1.0) -> list[dict]:
         for load in ("balanced", "skewed"):
             case = DPCase("llama3-8b", 4, "bfloat16", dp, load, 4, "16")
             out.append(make_row(case, "gpu", {}, verification=OK, derived={
-                "output_tokens_per_s": 8000.0 * dp, "idle_share": 0.1 * (load == "skewed")}))
+                "output_tokens_per_s": 8000.0 * dp, "idle_share": 0.1 * (load == "skewed"),
+                "idle_forward_lora_us": 1100.0, "idle_forward_base_us": 950.0,
+                "idle_forward_peers_us": 1050.0 if dp > 1 else None}))
     for bs in (1, 64):
         case = BaseStepCase("llama3-8b", 4, "bfloat16", bs, 512, "triton")
         out.append(make_row(case, "gpu", {}, timing=_t(800.0 + bs), verification=OK,
