@@ -89,7 +89,14 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
             mine[i] = eng.add_request(prompt, adapter, max_new_tokens=new)
     t0 = time.perf_counter()
     try:
-        eng.run()
+        while True:  # DPEngine.run, with a check after each step
+            eng.step()
+            last = eng.timeline[-1] if eng.timeline else None
+            if last is not None and last.variant == "peers":
+                assert eng.lora.backend.batch_info is None, \
+                    "the peers variant ran LoRA on the rank's own rows"
+            if not eng.last.has_work:
+                break
     except Exception as e:
         Path(out_dir, f"error{rank}.txt").write_text(f"{type(e).__name__}: {e}\n"
                                                      f"after {time.perf_counter() - t0:.1f}s")

@@ -162,6 +162,11 @@ MUTANTS = [
            (("            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], m.b",
              "            return m.a[:, self.dp.rank * k : (self.dp.rank + 1) * k], "
              "m.b * self.dp.size"),), DP_TESTS),
+    Mutant("peers_variant_runs_local_lora",
+           "DP: the peers variant (a rank without adapters of its own) also runs LoRA on the "
+           "rank's own rows",
+           "graphs/runner.py",
+           (("        local = kind == LORA", "        local = kind != BASE"),), DP_TESTS),
     Mutant("refresh_skipped_for_any_spec",
            "a static layout claims to hold whatever spec it is asked about (refreshes skipped)",
            "kernels/segments.py",

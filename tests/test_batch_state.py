@@ -64,6 +64,25 @@ def test_layers_gate_on_lora_active_not_set_lora(runner):
     torch.testing.assert_close(layer(x), layer.base(x))
 
 
+def test_a_wrapper_with_lora_off_reads_its_base_layer_as_it_is_now(runner):
+    """With LoRA off a wrapper computes F.linear on its base's registered weight: a weight
+    replaced after wrapping is the one used, and a base that is not a plain nn.Linear runs
+    as itself."""
+    layer = runner.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, layer.base.in_features, device=DEVICE)
+    with torch.no_grad():
+        layer.base.weight = torch.nn.Parameter(torch.randn_like(layer.base.weight))
+    assert torch.equal(layer(x), x @ layer.base.weight.t())
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, v):
+            return 2 * super().forward(v)
+
+    odd = Doubled(layer.base.in_features, layer.base.out_features, bias=False, device=DEVICE)
+    wrapped = type(layer)(odd, runner.lora.backend, layer.lora)
+    torch.testing.assert_close(wrapped(x), 2 * odd.weight.matmul(x.t()).t())
+
+
 def test_unprepared_backend_refuses_with_the_fix(runner):
     layer = runner.model.model.layers[0].mlp.down_proj
     x = torch.randn(2, CFG.intermediate_size, device=DEVICE)

@@ -41,7 +41,7 @@ class LinearWithLoRA(LoRALayer):
         # Module.__getattr__ costs ~1-2 us a lookup on a slow host (x 34 wrappers a forward):
         # the base and its parameters are read from their registries, which stay current.
         base = self._modules["base"]
-        if self.set_lora and self.backend.layout_ready(self.rows):  # lora_active, inlined
+        if self.lora_active:
             return self.backend.linear(base, x.contiguous(), self.lora, self.rows)
         if not self.plain_linear:
             return base(x)
@@ -85,7 +85,7 @@ class LMHeadWithLoRA(LinearWithLoRA):
 class VocabEmbeddingWithLoRA(LoRALayer):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         y = self._modules["base"](token_ids)
-        if self.set_lora and self.backend.layout_ready(self.rows):  # lora_active, inlined
+        if self.lora_active:
             self.backend.run_embedding(token_ids, y, self.lora)
         return y
 
