@@ -84,6 +84,27 @@ def num_warps(block_m: int, block_cols: int) -> int:
     return 8 if block_m * block_cols > 8192 else 4
 
 
+PDL = os.environ.get("MULTILORA_PDL", "1") != "0"
+"""``MULTILORA_PDL=0`` (read at import) turns programmatic dependent launch off (A/B runs)."""
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for the expand: Hopper or newer, a Triton with grid
+    dependency control, and only while a CUDA graph is being captured (eager launches gain
+    nothing from it and stay as they were)."""
+    return (PDL and device.type == "cuda" and not interpreted() and _pdl_capable(device.index)
+            and torch.cuda.is_current_stream_capturing())
+
+
+@functools.cache
+def _pdl_capable(device_index: int | None) -> bool:
+    import triton.language as tl
+
+    index = device_index if device_index is not None else torch.cuda.current_device()
+    gdc = getattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait", None)
+    return gdc is not None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would otherwise run through tf32 on the GPU (~1e-3 relative error).
     return "ieee" if dtype == torch.float32 else "tf32"

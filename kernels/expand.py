@@ -3,6 +3,12 @@
 One launch covers every slice of a fused projection (qkv with unequal widths, gate_up with
 equal ones). The second grid axis enumerates groups of ``TILES`` output tiles slice by slice,
 so no group straddles two slices; a program loads its ``a`` tile once and walks its tiles.
+
+Inside a captured graph on Hopper the expand is launched as a programmatic dependent of the
+base GEMM before it (``config.use_pdl``): its programs may start while the GEMM drains and
+read what the host wrote before the replay (segment tables, ranks, scalings); they read ``a``
+and ``y``, which earlier kernels write, only after ``gdc_wait`` (hazard: any read of a
+kernel-written tensor must stay below it).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ def _expand_kernel(
     stride_bs, stride_bn, stride_br,
     stride_ym, stride_yn,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     blk = tl.program_id(0)
     group = tl.program_id(1)
@@ -53,20 +59,27 @@ def _expand_kernel(
         return
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
+    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    # B was written before the replay began: its first tile loads before the wait.
+    offs_n = n_lo + tl.arange(0, BLOCK_N)
+    b = tl.load(b_base + offs_n[None, :] * stride_bn,
+                mask=r_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
+    if PDL:  # every read below this line may depend on the kernels before this one
+        tl.extra.cuda.gdc_wait()
     a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :] * stride_ar,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
     a = a.to(b_ptr.dtype.element_ty)
-    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
     y_rows = y_ptr + rows[:, None] * stride_ym
-    for t in range(TILES):
+    for t in tl.static_range(TILES):  # TILES <= 2 (config.expand_tiles_per_program)
         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
+        if t > 0:
+            b = tl.load(b_base + offs_n[None, :] * stride_bn,
+                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         y_mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        b = tl.load(b_base + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0)
         acc = tl.dot(a, b, input_precision=PRECISION)
         tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=y_mask)
 
@@ -83,6 +96,7 @@ def _expand_op(
     grid = (block_slots.shape[0], num_groups)
     if y.shape[0] == 0 or grid[0] == 0:
         return
+    pdl = {"launch_pdl": True} if config.use_pdl(y.device) else {}
     _expand_kernel[grid](
         a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets,
@@ -92,8 +106,8 @@ def _expand_op(
         y.stride(0), y.stride(1),
         NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=config.rank_block(max_rank), TILES=tiles,
-        PRECISION=config.dot_precision(lora_b.dtype),
-        num_warps=num_warps,
+        PRECISION=config.dot_precision(lora_b.dtype), PDL=bool(pdl),
+        num_warps=num_warps, **pdl,
     )
 
 
