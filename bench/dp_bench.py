@@ -126,8 +126,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     all_shares = [torch.zeros(1, dtype=torch.float64) for _ in range(size)]
     torch.distributed.all_gather(all_shares, shares, group=dp.cpu_group)
     idle = {v: _idle_forward_us(eng, graphs[0], v, dp, device, opts.get("idle_reps", 50))
-            for v in ("lora", "peers", "base")}
-    idle_lora, idle_base = idle["lora"], idle["base"]
+            for v in ("lora", "peers", "base")}  # None: this runtime has no such variant
     graphs.clear()
     eng.graphs.clear()  # captured collectives must be released before leaving the group
     case = DPCase(opts["preset"], opts["layers"], str(dtype).removeprefix("torch."), size, load,
@@ -143,10 +142,9 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         "graph_steps": sum(st.graph for st in steps),
         "eager_seconds_share": sum(st.seconds for st in steps if not st.graph)
         / max(1e-9, sum(st.seconds for st in steps)),
-        "idle_forward_us": next(idle[v] for v in ("peers", "lora", "base") if idle[v] == idle[v]),
-        "idle_forward_lora_us": idle_lora if adapters else None,
-        "idle_forward_peers_us": idle["peers"] if idle["peers"] == idle["peers"] else None,
-        "idle_forward_base_us": idle_base,
+        "idle_forward_us": next(idle[v] for v in ("peers", "lora", "base")
+                                if idle[v] is not None),  # what an idle rank replays
+        **{f"idle_forward_{v}_us": us for v, us in idle.items()},
         "ranks_run_on": min(size, max(torch.cuda.device_count(), 1)) if device.type == "cuda"
         else 0,
         "workload": {"requests": requests} | {k: opts[k] for k in WORKLOAD},
@@ -161,7 +159,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         print(f"[dp] size={size} {load:8} adapters={adapters:2} "
               f"{derived['output_tokens_per_s']:9.1f} tok/s  idle share per rank "
               f"{[round(s, 3) for s in per_rank]}  idle forward lora/peers/base "
-              f"{idle_lora:.1f}/{idle['peers']:.1f}/{idle_base:.1f} us", flush=True)
+              f"{'/'.join('-' if us is None else f'{us:.1f}' for us in idle.values())} us",
+              flush=True)
     return row
 
 
@@ -170,14 +169,14 @@ def _idle_share(steps) -> float:
     return sum(s.seconds for s in steps if s.mode == "idle") / total if total else 0.0
 
 
-def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> float:
+def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> float | None:
     """Every rank replays the smallest decode bucket with no local rows (an all-idle step's
     forward) in ``variant`` (``peers``: what an idle rank replays while its peers' rows have
     adapters; ``lora``: the full variant, its attention-side LoRA launching for nothing);
-    median wall time per forward, synced, in us."""
+    median wall time per forward, synced, in us; None where the runtime lacks the variant."""
     bucket = graph.buffers.buckets[0]
     if variant != "base" and (eng.lora is None or (variant, bucket) not in graph.graphs):
-        return float("nan")
+        return None
     gathered = GatheredRows(ForwardMode.DECODE, bucket, ((),) * dp.size, ((),) * dp.size)
     batch = ForwardBatch.idle(eng.lora, device, gathered)
     samples = []

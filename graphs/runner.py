@@ -134,10 +134,8 @@ class GraphRunner:
                              f"(buckets {self.buffers.buckets}, asked {bucket}); check "
                              "can_run() first")
         idle = batch.mode is ForwardMode.IDLE
-        if variant is None:  # an idle DP rank's MLP serves its peers' rows
-            variant = self.variant_for(batch, (idle and self.dp is not None)
-                                       or batch.has_adapters)
-        kind = variant
+        kind = variant if variant is not None else self.variant_for(  # an idle DP rank's MLP
+            batch, (idle and self.dp is not None) or batch.has_adapters)  # serves its peers
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
                              f"but bucket {bucket} holds {self.buffers.rows(bucket)}")
