@@ -13,6 +13,8 @@ kernel-written tensor must stay below it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -136,14 +138,24 @@ def lora_expand(
     check(tuple(a.shape) == want and a.dtype == torch.float32,
           lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
     check_tables(weights.ranks, weights.scalings, weights.num_slots, weights.num_slices, y.device)
-    block_n = block_n or config.expand_n_block(max(weights.slice_widths), layout.block_m)
-    slice_tiles = [config.cdiv(w, block_n) for w in weights.slice_widths]
-    tiles = config.expand_tiles_per_program(layout.block_slots.shape[0], sum(slice_tiles),
-                                            y.device, tiles)
-    num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
+    num_groups, block_n, tiles, num_warps = _launch_shape(
+        weights.slice_widths, layout.block_m, layout.block_slots.shape[0], y.device, tiles,
+        block_n, num_warps)
     _expand_op(
         a, b, y, weights.ranks, weights.scalings, weights.slice_offsets,
         layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,
-        layout.block_m, num_groups, block_n, tiles,
-        num_warps or config.num_warps(layout.block_m, block_n),
+        layout.block_m, num_groups, block_n, tiles, num_warps,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int,
+                  device: torch.device, tiles: int | None, block_n: int | None,
+                  num_warps: int | None) -> tuple[int, int, int, int]:
+    """(groups, block_n, tiles, num_warps) of one launch: a function of shapes only, so it is
+    computed once per shape (its Python cost per eager launch was ~8 us on a slow host)."""
+    block_n = block_n or config.expand_n_block(max(slice_widths), block_m)
+    slice_tiles = [config.cdiv(w, block_n) for w in slice_widths]
+    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles), device, tiles)
+    num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
+    return num_groups, block_n, tiles, num_warps or config.num_warps(block_m, block_n)

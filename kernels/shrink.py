@@ -9,6 +9,8 @@ and never zeroed. Columns past a slot's rank and rows of the neutral slot are le
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -120,14 +122,26 @@ def lora_shrink(
           lambda: f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
           f"{weights.num_slices}*{weights.max_rank}")
     check_tables(weights.ranks, None, weights.num_slots, weights.num_slices, x.device)
-    block_r = config.rank_block(weights.max_rank)
-    block_k = block_k or config.shrink_k_block(block_r, x.shape[1])
-    check(block_k >= 16 and block_k & (block_k - 1) == 0,
-          lambda: f"block_k must be a power of two >= 16, got {block_k}")
-    programs = layout.block_slots.shape[0] * weights.num_slices
-    splits, k_per_split = config.shrink_split(x.shape[1], block_k, programs, x.device, split_k)
+    block_k, splits, k_per_split, num_warps = _launch_shape(
+        x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
+        layout.block_m, x.device, split_k, block_k, num_warps)
     return _shrink_op(
         x, a, weights.ranks, layout.permutation, layout.block_slots, layout.block_starts,
         layout.block_ends, layout.block_m, weights.num_slices, splits, k_per_split, block_k,
-        num_warps or config.num_warps(layout.block_m, block_r),
+        num_warps,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_shape(k: int, max_rank: int, num_blocks: int, num_slices: int, block_m: int,
+                  device: torch.device, split_k: int | None, block_k: int | None,
+                  num_warps: int | None) -> tuple[int, int, int, int]:
+    """(block_k, splits, k_per_split, num_warps) of one launch: a function of shapes only, so it
+    is computed once per shape (an error is raised every time: lru_cache keeps no exception)."""
+    block_r = config.rank_block(max_rank)
+    block_k = block_k or config.shrink_k_block(block_r, k)
+    check(block_k >= 16 and block_k & (block_k - 1) == 0,
+          lambda: f"block_k must be a power of two >= 16, got {block_k}")
+    splits, k_per_split = config.shrink_split(k, block_k, num_blocks * num_slices, device,
+                                              split_k)
+    return block_k, splits, k_per_split, num_warps or config.num_warps(block_m, block_r)

@@ -101,3 +101,12 @@ def test_plan_rejects_bad_lengths():
         plan_segments([0, 1], [1], block_m=16)
     with pytest.raises(ValueError, match=">= 0"):
         plan_segments([0], [-1], block_m=16)
+
+
+def test_a_bad_block_k_is_refused_every_time():
+    """Launch shapes are cached per shape; a refused one is not (each call raises)."""
+    w, layout, x = _setup()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 24"):
+            lora_shrink(x, w, layout, block_k=24)
+    assert lora_shrink(x, w, layout, block_k=16).shape == (5, 8)
