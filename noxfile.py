@@ -45,7 +45,7 @@ def _python(session: nox.Session) -> str:
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite. Without a GPU, Triton kernels run under TRITON_INTERPRET=1."""
-    session.run(_python(session), "-m", "pytest", *(session.posargs or ["-q"]))
+    session.run(_python(session), "-m", "pytest", *(session.posargs or ["-q", "--durations=12"]))
 
 
 @nox.session
