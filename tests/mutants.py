@@ -64,12 +64,12 @@ MUTANTS = [
     Mutant("grid_from_batch_block_count",
            "the shrink grid is sized by the batch's live block count (a per-batch Python int)",
            "kernels/shrink.py",
-           (("    programs = layout.block_slots.shape[0] * weights.num_slices",
+           (("    block_k, splits, k_per_split, num_warps = _launch_shape(\n",
              "    live = int((layout.block_ends > layout.block_starts).sum())\n"
              "    layout = type(layout)(layout.token_slots, layout.permutation,\n"
              "                          layout.block_slots[:live], layout.block_starts[:live],\n"
              "                          layout.block_ends[:live], layout.block_m)\n"
-             "    programs = layout.block_slots.shape[0] * weights.num_slices"),)),
+             "    block_k, splits, k_per_split, num_warps = _launch_shape(\n"),)),
     Mutant("block_m_from_segment_length",
            "the block size follows the batch's longest request (a per-batch Python int)",
            "lora_runtime/lora/manager.py",
