@@ -11,9 +11,11 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.lora_epilogue import FUSE_BLOCK_M, PendingLoRA, lora_delta, lora_rows
 from kernels.traced_op import traced_op
 
 BLOCK = 1024
+LORA_BLOCK_N = 128
 
 
 @triton.jit
@@ -28,13 +30,49 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``gate_up [rows, 2 * inter]`` (gate first, then up) -> ``[rows, inter]``."""
+@triton.jit
+def _silu_mul_lora_kernel(
+    x_ptr, out_ptr, inter, n_rows, stride_x, stride_o,
+    a_ptr, b_ptr, perm_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, sentinel,
+    stride_am, stride_ar, stride_bs, stride_bn, stride_br,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows, m_mask, slots = lora_rows(perm_ptr, slots_ptr, tl.program_id(0) * BLOCK_M, n_rows,
+                                    sentinel, BLOCK_M)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs < inter
+    mask = m_mask[:, None] & n_mask[None, :]
+    ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
+    gate = tl.load(ptrs, mask=mask, other=0.0)
+    up = tl.load(ptrs + inter, mask=mask, other=0.0)
+    lora = (a_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, sentinel, stride_am, stride_ar,
+            stride_bs, stride_bn, stride_br, rows, m_mask, slots)
+    gate = (gate.to(tl.float32) + lora_delta(*lora, offs, n_mask, 0, NUM_SLICES, BLOCK_M,
+                                             BLOCK_N, BLOCK_R, PRECISION)).to(gate.dtype)
+    up = (up.to(tl.float32) + lora_delta(*lora, inter + offs, n_mask, 1, NUM_SLICES, BLOCK_M,
+                                         BLOCK_N, BLOCK_R, PRECISION)).to(gate.dtype)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :],
+             (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | None = None) -> torch.Tensor:
+    """``gate_up [rows, 2 * inter]`` (gate first, then up) -> ``[rows, inter]``. ``lora``: the
+    gate_up projection's pending LoRA term (two slices: gate, up), added first."""
     check_dtype("gate_up", gate_up)
     check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(-1) == 1,
           lambda: f"gate_up must be [rows, 2 * intermediate] with contiguous rows, got shape "
           f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
-    return _silu_mul_op(gate_up)
+    if lora is None:
+        return _silu_mul_op(gate_up)
+    lora.check(gate_up, "silu_mul")
+    w = lora.weights
+    check(w.slice_widths == (gate_up.shape[1] // 2,) * 2,
+          lambda: f"silu_mul: the LoRA term's slices {w.slice_widths} are not gate and up of "
+          f"{gate_up.shape[1] // 2} columns each")
+    return _silu_mul_lora_op(gate_up, *lora.fused_args())
 
 
 def _out(gate_up: torch.Tensor) -> torch.Tensor:
@@ -54,4 +92,29 @@ def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
 
 @_silu_mul_op.register_fake
 def _(gate_up):
+    return _out(gate_up)
+
+
+@traced_op("multilora::silu_mul_lora", mutates_args=())
+def _silu_mul_lora_op(
+    gate_up: torch.Tensor, a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor,
+    slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int,
+    sentinel: int, s_am: int, s_ar: int, s_bs: int, s_bn: int, s_br: int,
+    NUM_SLICES: int, BLOCK_R: int, PRECISION: str,
+) -> torch.Tensor:
+    out = _out(gate_up)
+    rows, inter = out.shape
+    if rows:
+        block_n = min(LORA_BLOCK_N, config.next_pow2(inter))
+        grid = (config.cdiv(rows, FUSE_BLOCK_M), config.cdiv(inter, block_n))
+        _silu_mul_lora_kernel[grid](
+            gate_up, out, inter, rows, gate_up.stride(0), out.stride(0),
+            a, b, perm, slots, ranks, scalings, max_rank, sentinel, s_am, s_ar, s_bs, s_bn, s_br,
+            NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
+            PRECISION=PRECISION, num_warps=4)
+    return out
+
+
+@_silu_mul_lora_op.register_fake
+def _(gate_up, *args):
     return _out(gate_up)

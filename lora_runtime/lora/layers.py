@@ -75,6 +75,15 @@ class MergedColumnLinearWithLoRA(LinearWithLoRA):
 
     rows = RowSet.GATHERED
 
+    def forward_deferred(self, x: torch.Tensor):
+        """``(output, PendingLoRA or None)``: where the backend fuses the expand into SwiGLU's
+        activation (``backend.fuses_expand``), the LoRA term is returned pending for
+        ``silu_mul`` to add; otherwise it is already in the output."""
+        if self.lora_active and self.backend.fuses_expand(x.shape[0]):
+            return self.backend.linear_deferred(self._modules["base"], x.contiguous(),
+                                                self.lora, self.rows)
+        return self(x), None
+
 
 class LMHeadWithLoRA(LinearWithLoRA):
     """lm_head runs on the logits rows (one per request), so it reads the lm_head pass."""

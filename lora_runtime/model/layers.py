@@ -35,10 +35,14 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, x)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``."""
+def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor:
+    """SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``. ``lora``: the
+    gate_up projection's pending LoRA term (``kernels.lora_epilogue.PendingLoRA``), added
+    first: inside the Triton kernel, or by the expand before the torch version."""
     if base_backend() == "triton":
-        return silu_mul_triton(gate_up)
+        return silu_mul_triton(gate_up, lora)
+    if lora is not None:
+        gate_up = lora.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

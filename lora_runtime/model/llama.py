@@ -31,7 +31,12 @@ class LlamaMLP(nn.Module):
         return reduce_scatter_rows(self._local(rows), self.dp)[: x.shape[0]]
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        # A LoRA wrapper may leave its expand to the activation (class lookup: no
+        # Module.__getattr__ on the plain nn.Linear path).
+        if hasattr(type(gate_up), "forward_deferred"):
+            return self.down_proj(silu_mul(*gate_up.forward_deferred(x)))
+        return self.down_proj(silu_mul(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

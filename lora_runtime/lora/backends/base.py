@@ -19,6 +19,7 @@ import torch
 from kernels import LoRAWeights, SegmentLayout, StaticSegmentLayout
 from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
 from lora_runtime.lora.linear_schedule import lora_linear
+from lora_runtime.lora.side_stream import run_beside
 
 
 class RowSet(enum.Enum):
@@ -91,6 +92,21 @@ class LoRABackend:
         layout = self._layout(rows, "linear")
         return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
                            lambda a, y: self.expand(a, weights, y, layout))
+
+    def fuses_expand(self, rows: int) -> bool:
+        """Whether a projection of ``rows`` rows may leave its expand to its consumer
+        (``linear_deferred``): only backends whose consumer kernels read its layout."""
+        return False
+
+    def linear_deferred(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                        weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
+        """``(base(x), PendingLoRA)``: the shrink runs (beside the GEMM under a capture), the
+        expand is left to the consumer of the output (``kernels.lora_epilogue``)."""
+        from kernels.lora_epilogue import PendingLoRA
+
+        layout = self._layout(rows, "linear")
+        a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x.device)
+        return y, PendingLoRA(a, weights, layout)
 
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
                       weights: LoRAWeights) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from kernels import lora_embedding_shrink, lora_expand, lora_shrink
+from kernels import config, lora_embedding_shrink, lora_expand, lora_shrink
 from lora_runtime.lora.backends.base import LoRABackend
 
 
 class TritonBackend(LoRABackend):
     name = "triton"
+
+    def fuses_expand(self, rows: int) -> bool:
+        return config.fused_expand(rows)
 
     def shrink(self, x, weights, layout):
         return lora_shrink(x, weights, layout)

@@ -1,0 +1,111 @@
+"""The expand folded into the kernel that consumes a projection's output.
+
+The kernel that reads a projection's output next can add the LoRA term to the rows it loads:
+``y[row, cols of slice s] + scaling[slot, s] * a_s[row, :r] @ B[slot, cols, :r]^T``, rounded to
+``y``'s dtype exactly as ``lora_expand`` rounds it, before its own arithmetic. That saves the
+expand's read-modify-write of ``y`` and its launch. SwiGLU's activation does it for gate_up
+(``kernels.silu_mul``); where it pays is measured in ``config.fused_expand_min_rows``.
+
+A consumer program covers ``BLOCK_M`` consecutive rows of the layout's permutation, so its rows
+are sorted by slot and hold few distinct slots; it loads B once per distinct slot (``while``
+over the slots present) and masks the other rows' ``a`` to zero. Every row is covered, those
+of the neutral slot and padding rows included (the consumer's own work), unlike the LoRA
+kernels' grids, which skip them.
+
+Hazard: ``a`` is undefined in rows of the neutral slot and past a slot's rank (the shrink
+leaves them unwritten); it is selected with ``tl.where``, never multiplied by a zero mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import config
+from kernels.checks import check, check_layout, check_tables
+from kernels.segments import SegmentLayout
+from kernels.weights import LoRAWeights
+
+FUSE_BLOCK_M = 16
+"""Permuted rows per consumer program (``tl.dot`` needs at least 16)."""
+
+
+@dataclass(frozen=True)
+class PendingLoRA:
+    """A projection's LoRA term, shrunk but not yet added: ``a`` (``lora_shrink``'s output)
+    for the rows of ``layout``. A consumer kernel adds it (``fused_args``), or ``apply`` runs
+    the expand in place."""
+
+    a: torch.Tensor
+    weights: LoRAWeights
+    layout: SegmentLayout
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        from kernels.expand import lora_expand
+
+        lora_expand(self.a, self.weights, y, self.layout)
+        return y
+
+    def check(self, y: torch.Tensor, what: str) -> None:
+        w = self.weights
+        check_layout(self.layout, y.shape[0], y.device, what)
+        check(y.dim() == 2 and y.shape[1] == w.lora_b.shape[1],
+              lambda: f"{what}: the LoRA term has {w.lora_b.shape[1]} output columns but the "
+              f"projection's output is {tuple(y.shape)}")
+        check(w.lora_b.dtype == y.dtype, lambda: f"{what}: lora_b dtype {w.lora_b.dtype} "
+              f"differs from the projection's output dtype {y.dtype}")
+        want = (y.shape[0], w.num_slices * w.max_rank)
+        check(tuple(self.a.shape) == want and self.a.dtype == torch.float32,
+              lambda: f"{what}: a must be float32 {list(want)} from lora_shrink, got "
+              f"{self.a.dtype} {list(self.a.shape)}")
+        check_tables(w.ranks, w.scalings, w.num_slots, w.num_slices, y.device)
+
+    def fused_args(self) -> tuple:
+        """What a consumer's op takes after its own arguments: the kernel's LoRA arguments
+        (``lora_rows`` / ``lora_delta`` order), then NUM_SLICES, BLOCK_R and PRECISION."""
+        w, a, b = self.weights, self.a, self.weights.lora_b
+        return (a, b, self.layout.permutation, self.layout.token_slots, w.ranks, w.scalings,
+                w.max_rank, w.neutral_slot + 1, a.stride(0), a.stride(1), b.stride(0),
+                b.stride(1), b.stride(2), w.num_slices, config.rank_block(w.max_rank),
+                config.dot_precision(b.dtype))
+
+
+@triton.jit
+def lora_rows(perm_ptr, slots_ptr, first, n_rows, sentinel, BLOCK_M: tl.constexpr):
+    """(rows, row mask, slots) of permuted rows ``first .. first + BLOCK_M``; rows past
+    ``n_rows`` get slot ``sentinel`` (above every real and the neutral slot)."""
+    offs = first + tl.arange(0, BLOCK_M)
+    m_mask = offs < n_rows
+    rows = tl.load(perm_ptr + offs, mask=m_mask, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=m_mask, other=sentinel)
+    return rows, m_mask, slots
+
+
+@triton.jit
+def lora_delta(a_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, sentinel,
+               stride_am, stride_ar, stride_bs, stride_bn, stride_br,
+               rows, m_mask, slots, offs_n, n_mask, sl,
+               NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_N]``: slice ``sl``'s LoRA term at B rows ``offs_n`` (zero for
+    rows without one). Each row's value is its slot's ``scaling * dot``, as in the expand."""
+    offs_r = tl.arange(0, BLOCK_R)
+    a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :] * stride_ar,
+                mask=m_mask[:, None] & (offs_r < max_rank)[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    cur = tl.min(slots, 0)
+    while cur < sentinel:
+        rank = tl.load(ranks_ptr + cur * NUM_SLICES + sl)
+        if rank > 0:
+            scale = tl.load(scal_ptr + cur * NUM_SLICES + sl)
+            r_mask = offs_r < rank
+            b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+                        + offs_n[None, :] * stride_bn,
+                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            mine = tl.where((slots == cur)[:, None] & r_mask[None, :], a, 0.0)
+            acc += scale * tl.dot(mine.to(b.dtype), b, input_precision=PRECISION)
+        cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
+    return acc
