@@ -83,5 +83,10 @@ def rows_of(paths: list[Path]) -> tuple[list[dict], dict]:
         for f in files:
             data = load(f)
             rows += data["rows"]
-            runs |= data["runs"]
+            for rid, run in data["runs"].items():
+                # One run writes one file per suite, each recording the suites done so far:
+                # keep every suite's seconds whichever file is read last.
+                seconds = {**runs.get(rid, {}).get("suite_seconds", {}),
+                           **run.get("suite_seconds", {})}
+                runs[rid] = run | ({"suite_seconds": seconds} if seconds else {})
     return rows, runs

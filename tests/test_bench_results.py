@@ -53,6 +53,16 @@ def test_upsert_replaces_a_case_and_a_new_axis_adds_rows(tmp_path):
     assert sorted(got, key=str) == sorted([(1, None), (2, None), (2, "new")], key=str)
 
 
+def test_reading_one_run_from_several_suite_files_keeps_every_suites_seconds(tmp_path):
+    early = RUN | {"suite_seconds": {"throughput": 38.0}}
+    late = RUN | {"suite_seconds": {"throughput": 38.0, "idle": 5.0, "model": 97.0}}
+    results.upsert(tmp_path / "model.json", late, [_row(_Case(1))])
+    results.upsert(tmp_path / "throughput.json", early, [_row(_Case(2))])
+    _, runs = results.rows_of([tmp_path / "model.json", tmp_path / "throughput.json"])
+    assert runs[RUN["run_id"]]["suite_seconds"] == {"throughput": 38.0, "idle": 5.0,
+                                                    "model": 97.0}
+
+
 def test_reproduce_filter_selects_exactly_its_case():
     cases = [ModelCase("decode", "tiny", 2, 16, bs, a, r, "torch", torch.float32)
              for bs in (1, 16) for a, r in ((0, ()), (2, (8,)), (2, (4, 8)))]
