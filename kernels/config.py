@@ -96,6 +96,22 @@ def fused_expand(rows: int) -> bool:
     return rows >= FUSED_EXPAND_MIN_ROWS
 
 
+ONE_LAUNCH_MAX_ROWS = int(os.environ.get("MULTILORA_ONE_LAUNCH_MAX_ROWS", "16"))
+"""Eager LoRA linears of at most this many rows run shrink and expand as one launch
+(``kernels.shrink_expand``; read at import, 0: never). Each output group recomputes its
+block's shrink, so the GPU work grows with rows x groups: only worth it where an eager step is
+bound by its launches' host time."""
+
+
+def one_launch_lora(x: torch.Tensor) -> bool:
+    """Eager (neither a CUDA graph capture nor a tracer: both keep the two-launch schedule, the
+    shrink beside the GEMM) and few rows."""
+    from kernels.traced_op import tracing
+
+    return (x.shape[0] <= ONE_LAUNCH_MAX_ROWS and not tracing()
+            and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+
 PDL = os.environ.get("MULTILORA_PDL", "1") != "0"
 """``MULTILORA_PDL=0`` (read at import) turns programmatic dependent launch off (A/B runs)."""
 

@@ -28,19 +28,10 @@ from kernels.weights import LoRAWeights
 
 
 @triton.jit
-def _expand_kernel(
-    a_ptr, b_ptr, y_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
-    scal_ptr, slice_off_ptr,
-    max_rank,
-    stride_am, stride_ar,
-    stride_bs, stride_bn, stride_br,
-    stride_ym, stride_yn,
-    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-):
-    blk = tl.program_id(0)
-    group = tl.program_id(1)
-    # Which slice owns this group: walk the (few) slices, counting their groups.
+def slice_group(slice_off_ptr, group, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+                TILES: tl.constexpr):
+    """(slice, first column, the slice's end column) of output group ``group``: groups
+    enumerate ``TILES`` tiles at a time, slice by slice, so none straddles two slices."""
     sl = 0
     n_lo = 0
     n_hi = 0
@@ -54,6 +45,41 @@ def _expand_kernel(
         n_lo = tl.where(here, lo + (group - before) * (TILES * BLOCK_N), n_lo)
         n_hi = tl.where(here, hi, n_hi)
         before += ng
+    return sl, n_lo, n_hi
+
+
+@triton.jit
+def add_tiles(a, b, b_base, y_rows, m_mask, r_mask, n_lo, n_hi, scale, stride_bn, stride_yn,
+              BLOCK_N: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr):
+    """``y[rows, tile] += scale * a @ B_tile`` for the group's tiles; ``b`` is the first tile,
+    already loaded (the PDL prologue loads it before the wait)."""
+    for t in tl.static_range(TILES):  # TILES <= 2 (config.expand_tiles_per_program)
+        offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_hi
+        if t > 0:
+            b = tl.load(b_base + offs_n[None, :] * stride_bn,
+                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        y_ptrs = y_rows + offs_n[None, :] * stride_yn
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        acc = tl.dot(a, b, input_precision=PRECISION)
+        tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=y_mask)
+
+
+@triton.jit
+def _expand_kernel(
+    a_ptr, b_ptr, y_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
+    scal_ptr, slice_off_ptr,
+    max_rank,
+    stride_am, stride_ar,
+    stride_bs, stride_bn, stride_br,
+    stride_ym, stride_yn,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    group = tl.program_id(1)
+    sl, n_lo, n_hi = slice_group(slice_off_ptr, group, NUM_SLICES, BLOCK_N, TILES)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
                                            blk, BLOCK_M)
     rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
@@ -71,19 +97,8 @@ def _expand_kernel(
         tl.extra.cuda.gdc_wait()
     a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :] * stride_ar,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-    a = a.to(b_ptr.dtype.element_ty)
-    y_rows = y_ptr + rows[:, None] * stride_ym
-    for t in tl.static_range(TILES):  # TILES <= 2 (config.expand_tiles_per_program)
-        offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
-        if t > 0:
-            b = tl.load(b_base + offs_n[None, :] * stride_bn,
-                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        y_ptrs = y_rows + offs_n[None, :] * stride_yn
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        acc = tl.dot(a, b, input_precision=PRECISION)
-        tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=y_mask)
+    add_tiles(a.to(b_ptr.dtype.element_ty), b, b_base, y_ptr + rows[:, None] * stride_ym, m_mask,
+              r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
 
 
 @traced_op("multilora::expand", mutates_args=("y",))
@@ -125,7 +140,23 @@ def lora_expand(
     """Adds the LoRA term to ``y`` in place. ``a`` is ``lora_shrink``'s output (or the
     embedding gather's). ``tiles``, ``block_n``, ``num_warps`` override the launch heuristics
     (tests, tuning)."""
-    check_layout(layout, y.shape[0] if y.dim() == 2 else -1, y.device, "lora_expand")
+    check_expand_args(weights, y, layout, "lora_expand")
+    want = (y.shape[0], weights.num_slices * weights.max_rank)
+    check(tuple(a.shape) == want and a.dtype == torch.float32,
+          lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
+    num_groups, block_n, tiles, num_warps = launch_shape(
+        weights.slice_widths, layout.block_m, layout.block_slots.shape[0], y.device, tiles,
+        block_n, num_warps)
+    _expand_op(
+        a, weights.lora_b, y, weights.ranks, weights.scalings, weights.slice_offsets,
+        layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,
+        layout.block_m, num_groups, block_n, tiles, num_warps,
+    )
+
+
+def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout | None,
+                      what: str) -> None:
+    check_layout(layout, y.shape[0] if y.dim() == 2 else -1, y.device, what)
     b = weights.lora_b
     check(y.dim() == 2 and y.shape[1] == b.shape[1],
           lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}")
@@ -134,22 +165,11 @@ def lora_expand(
     check(b.device == y.device, lambda: f"lora_b is on {b.device} but y is on {y.device}")
     check(b.shape[2] == weights.max_rank,
           lambda: f"lora_b must be [slots, out, max_rank={weights.max_rank}], got {tuple(b.shape)}")
-    want = (y.shape[0], weights.num_slices * weights.max_rank)
-    check(tuple(a.shape) == want and a.dtype == torch.float32,
-          lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
     check_tables(weights.ranks, weights.scalings, weights.num_slots, weights.num_slices, y.device)
-    num_groups, block_n, tiles, num_warps = _launch_shape(
-        weights.slice_widths, layout.block_m, layout.block_slots.shape[0], y.device, tiles,
-        block_n, num_warps)
-    _expand_op(
-        a, b, y, weights.ranks, weights.scalings, weights.slice_offsets,
-        layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,
-        layout.block_m, num_groups, block_n, tiles, num_warps,
-    )
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int,
+def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int,
                   device: torch.device, tiles: int | None, block_n: int | None,
                   num_warps: int | None) -> tuple[int, int, int, int]:
     """(groups, block_n, tiles, num_warps) of one launch: a function of shapes only, so it is

@@ -24,6 +24,29 @@ from kernels.weights import LoRAWeights
 
 
 @triton.jit
+def shrink_rows(
+    x_ptr, a_ptr, rows, m_mask, slot, a_rows, r_mask, K, k0, k_len,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """fp32 ``[BLOCK_M, BLOCK_R]``: ``x[rows, k0:k0+k_len] @ A[slot, a_rows, k0:k0+k_len]^T``
+    (zero in masked rows and columns)."""
+    x_base = x_ptr + rows[:, None] * stride_xm
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_rows[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for kk in range(0, k_len, BLOCK_K):
+        offs_k = k0 + kk + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_base + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        a = tl.load(a_base + offs_k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :],
+                    other=0.0)
+        acc += tl.dot(x, a, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
     K, max_rank, k_per_split,
@@ -44,18 +67,9 @@ def _shrink_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     a_rows = sl * max_rank + offs_r
-    x_base = x_ptr + rows[:, None] * stride_xm
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_rows[None, :] * stride_ar
-    k0 = split * k_per_split
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for kk in range(0, k_per_split, BLOCK_K):
-        offs_k = k0 + kk + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_base + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        a = tl.load(a_base + offs_k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :],
-                    other=0.0)
-        acc += tl.dot(x, a, input_precision=PRECISION)
+    acc = shrink_rows(x_ptr, a_ptr, rows, m_mask, slot, a_rows, r_mask, K, split * k_per_split,
+                      k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+                      BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
     out = out_ptr + rows[:, None] * stride_om + a_rows[None, :] * stride_or
     mask = m_mask[:, None] & r_mask[None, :]
     if ATOMIC:
@@ -108,7 +122,21 @@ def lora_shrink(
     """fp32 ``[rows, num_slices * max_rank]``, defined where the row's slot has a rank above
     the column's index within its slice. ``split_k``, ``block_k``, ``num_warps`` override the
     launch heuristics (tests, tuning)."""
-    check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, "lora_shrink")
+    check_shrink_args(x, weights, layout, "lora_shrink")
+    a = weights.lora_a
+    block_k, splits, k_per_split, num_warps = _launch_shape(
+        x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
+        layout.block_m, x.device, split_k, block_k, num_warps)
+    return _shrink_op(
+        x, a, weights.ranks, layout.permutation, layout.block_slots, layout.block_starts,
+        layout.block_ends, layout.block_m, weights.num_slices, splits, k_per_split, block_k,
+        num_warps,
+    )
+
+
+def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None,
+                      what: str) -> None:
+    check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, what)
     check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
           f"shape {tuple(x.shape)} strides {x.stride()}")
     check_dtype("x", x)
@@ -122,14 +150,6 @@ def lora_shrink(
           lambda: f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
           f"{weights.num_slices}*{weights.max_rank}")
     check_tables(weights.ranks, None, weights.num_slots, weights.num_slices, x.device)
-    block_k, splits, k_per_split, num_warps = _launch_shape(
-        x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
-        layout.block_m, x.device, split_k, block_k, num_warps)
-    return _shrink_op(
-        x, a, weights.ranks, layout.permutation, layout.block_slots, layout.block_starts,
-        layout.block_ends, layout.block_m, weights.num_slices, splits, k_per_split, block_k,
-        num_warps,
-    )
 
 
 @functools.lru_cache(maxsize=4096)

@@ -7,12 +7,13 @@ import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES
 from float64_reference import TOL, assert_added, lora_delta_f64, rel_err
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kernel_cases import defined_mask, embedding_cases, linear_cases, plan_is_valid
 
 from kernels import lora_embedding_shrink, lora_expand, lora_shrink, plan_segments
 from kernels.reference import embedding_shrink_reference, expand_reference, shrink_reference
+from kernels.shrink_expand import lora_shrink_expand
 
 PROVIDERS = {
     "triton": (
@@ -54,6 +55,43 @@ def test_shrink_then_expand_matches_float64(provider, dtype, data):
     assert_added(y, y0, ref, dtype)
     untouched = (ref == 0).to(DEVICE)
     assert torch.equal(y[untouched], y0[untouched]), "rows/columns without LoRA must not change"
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@given(data=st.data())
+def test_one_launch_matches_float64_and_the_two_launches(dtype, data):
+    case = data.draw(linear_cases(dtype, DEVICE))
+    rows, k = len(case.token_slots), case.weights.lora_a.shape[2]
+    x = _input(rows, k, dtype, data.draw(st.integers(0, 2**31)))
+    y0 = _input(rows, case.weights.lora_b.shape[1], dtype, 7)
+    y = y0.clone()
+    lora_shrink_expand(x, case.weights, y, case.layout, case.block_k, case.tiles)
+    ref = lora_delta_f64(x, case.weights, case.token_slots)
+    assert_added(y, y0, ref, dtype)
+    untouched = (ref == 0).to(DEVICE)
+    assert torch.equal(y[untouched], y0[untouched]), "rows/columns without LoRA must not change"
+    two = y0.clone()
+    lora_expand(lora_shrink(x, case.weights, case.layout), case.weights, two, case.layout)
+    assert rel_err(y - y0, two - y0) < TOL[dtype], "one launch differs from shrink + expand"
+
+
+@settings(max_examples=3)
+@given(data=st.data())
+def test_one_launch_refuses_bad_inputs_and_leaves_y_unchanged(data):
+    case = data.draw(linear_cases(torch.float32, DEVICE))
+    rows, k = len(case.token_slots), case.weights.lora_a.shape[2]
+    assume(rows > 0 and k > 1)
+    x = _input(rows, k, torch.float32, 1)
+    y = _input(rows, case.weights.lora_b.shape[1], torch.float32, 2)
+    before = y.clone()
+    bad = {"x must be 2-D": (x[:, ::2], y), "x dtype": (x.half(), y),
+           "the prepared LoRA metadata covers": (x, y[1:]),
+           "y must be": (x, y[:, 1:]), "block_k must be": (x, y)}
+    for msg, (xi, yi) in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            lora_shrink_expand(xi, case.weights, yi, case.layout,
+                               block_k=24 if msg.startswith("block_k") else None)
+    assert torch.equal(y, before)
 
 
 @pytest.mark.parametrize("provider", ["triton", "torch"])

@@ -90,8 +90,17 @@ class LoRABackend:
         """``base(x) + LoRA(x)`` for the rows of the prepared batch; inside a graph capture
         the LoRA kernels run beside the base GEMM (``linear_schedule``)."""
         layout = self._layout(rows, "linear")
+        if self.one_launch(x):
+            y = base(x)
+            self.shrink_expand(x, weights, y, layout)
+            return y
         return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
                            lambda a, y: self.expand(a, weights, y, layout))
+
+    def one_launch(self, x: torch.Tensor) -> bool:
+        """Whether ``linear`` adds the LoRA term in one kernel (``shrink_expand``) after the
+        base GEMM instead of shrink and expand around it."""
+        return False
 
     def fuses_expand(self, rows: int) -> bool:
         """Whether a projection of ``rows`` rows may leave its expand to its consumer
@@ -137,6 +146,9 @@ class LoRABackend:
         raise NotImplementedError
 
     def embedding_shrink(self, token_ids, weights, layout) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shrink_expand(self, x, weights, y, layout) -> None:
         raise NotImplementedError
 
     # -- graph hooks ------------------------------------------------------------------------

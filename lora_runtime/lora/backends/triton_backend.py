@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kernels import config, lora_embedding_shrink, lora_expand, lora_shrink
+from kernels.shrink_expand import lora_shrink_expand
 from lora_runtime.lora.backends.base import LoRABackend
 
 
@@ -11,6 +12,12 @@ class TritonBackend(LoRABackend):
 
     def fuses_expand(self, rows: int) -> bool:
         return config.fused_expand(rows)
+
+    def one_launch(self, x):
+        return config.one_launch_lora(x)
+
+    def shrink_expand(self, x, weights, y, layout):
+        lora_shrink_expand(x, weights, y, layout)
 
     def shrink(self, x, weights, layout):
         return lora_shrink(x, weights, layout)

@@ -1,0 +1,112 @@
+"""Shrink and expand in one launch, for eager forwards of a few rows:
+``y[row, cols of slice s] += scaling * (x[row] @ A[slot, s]^T) @ B[slot, cols]^T``.
+
+The separate path costs three launches per module (the split-K shrink's memset, the shrink,
+the expand), and an eager decode step is bound by their host time. Here each expand program
+computes its block's ``a`` for its slice itself, over the whole K, then adds its output tiles:
+the shrink is recomputed once per output group (``expand``'s grid), which costs
+``groups x (BLOCK_M + BLOCK_R) x K`` reads from L2 per block, so it is only chosen for few
+rows (``config.one_launch_lora``). ``a`` is rounded to the weights' dtype before the expand,
+as the separate path does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import config
+from kernels.block_rows import load_block
+from kernels.checks import check
+from kernels.expand import add_tiles, check_expand_args, launch_shape, slice_group
+from kernels.segments import SegmentLayout
+from kernels.shrink import check_shrink_args, shrink_rows
+from kernels.traced_op import traced_op
+from kernels.weights import LoRAWeights
+
+
+@triton.jit
+def _shrink_expand_kernel(
+    x_ptr, la_ptr, lb_ptr, y_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
+    scal_ptr, slice_off_ptr,
+    K, max_rank,
+    stride_xm, stride_xk,
+    stride_as, stride_ar, stride_ak,
+    stride_bs, stride_bn, stride_br,
+    stride_ym, stride_yn,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    group = tl.program_id(1)
+    sl, n_lo, n_hi = slice_group(slice_off_ptr, group, NUM_SLICES, BLOCK_N, TILES)
+    slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
+                                           blk, BLOCK_M)
+    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
+    if (rank == 0) | empty | (n_lo >= n_hi):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a = shrink_rows(x_ptr, la_ptr, rows, m_mask, slot, sl * max_rank + offs_r, r_mask, K, 0, K,
+                    stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+                    BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
+    b_base = lb_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    offs_n = n_lo + tl.arange(0, BLOCK_N)
+    b = tl.load(b_base + offs_n[None, :] * stride_bn,
+                mask=r_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
+    add_tiles(a.to(lb_ptr.dtype.element_ty), b, b_base, y_ptr + rows[:, None] * stride_ym, m_mask,
+              r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
+
+
+@traced_op("multilora::shrink_expand", mutates_args=("y",))
+def _shrink_expand_op(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor,
+    ranks: torch.Tensor, scalings: torch.Tensor, slice_offsets: torch.Tensor,
+    permutation: torch.Tensor, block_slots: torch.Tensor, block_starts: torch.Tensor,
+    block_ends: torch.Tensor, block_m: int, num_groups: int, block_n: int, block_k: int,
+    tiles: int, num_warps: int,
+) -> None:
+    grid = (block_slots.shape[0], num_groups)
+    if y.shape[0] == 0 or grid[0] == 0:
+        return
+    max_rank = lora_b.shape[2]
+    _shrink_expand_kernel[grid](
+        x, lora_a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
+        scalings, slice_offsets,
+        x.shape[1], max_rank,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        y.stride(0), y.stride(1),
+        NUM_SLICES=slice_offsets.shape[0] - 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k, TILES=tiles,
+        PRECISION=config.dot_precision(lora_b.dtype), num_warps=num_warps,
+    )
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    weights: LoRAWeights,
+    y: torch.Tensor,
+    layout: SegmentLayout | None,
+    block_k: int | None = None,
+    tiles: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Adds ``x``'s LoRA term to ``y`` in place, like ``lora_expand(lora_shrink(x), y)``, in
+    one launch. ``block_k``, ``tiles``, ``block_n`` override the launch heuristics (tests)."""
+    check_shrink_args(x, weights, layout, "lora_shrink_expand")
+    check_expand_args(weights, y, layout, "lora_shrink_expand")
+    num_groups, block_n, tiles, num_warps = launch_shape(
+        weights.slice_widths, layout.block_m, layout.block_slots.shape[0], y.device, tiles,
+        block_n, None)
+    block_k = block_k or config.shrink_k_block(config.rank_block(weights.max_rank), x.shape[1])
+    check(block_k >= 16 and block_k & (block_k - 1) == 0,
+          lambda: f"block_k must be a power of two >= 16, got {block_k}")
+    _shrink_expand_op(
+        x, weights.lora_a, weights.lora_b, y, weights.ranks, weights.scalings,
+        weights.slice_offsets, layout.permutation, layout.block_slots, layout.block_starts,
+        layout.block_ends, layout.block_m, num_groups, block_n, block_k, tiles, num_warps,
+    )
