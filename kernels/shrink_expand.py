@@ -17,9 +17,14 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.block_rows import load_block
 from kernels.checks import check
-from kernels.expand import add_tiles, check_expand_args, launch_shape, slice_group
+from kernels.expand import (
+    add_tiles,
+    check_expand_args,
+    expand_program,
+    launch_shape,
+    load_b_tile,
+)
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args, shrink_rows
 from kernels.traced_op import traced_op
@@ -38,24 +43,16 @@ def _shrink_expand_kernel(
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    blk = tl.program_id(0)
-    group = tl.program_id(1)
-    sl, n_lo, n_hi = slice_group(slice_off_ptr, group, NUM_SLICES, BLOCK_N, TILES)
-    slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
-                                           blk, BLOCK_M)
-    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
-    if (rank == 0) | empty | (n_lo >= n_hi):
+    sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_base, idle = expand_program(
+        perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr, slice_off_ptr,
+        lb_ptr, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, TILES)
+    if idle:
         return
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
     a = shrink_rows(x_ptr, la_ptr, rows, m_mask, slot, sl * max_rank + offs_r, r_mask, K, 0, K,
                     stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
                     BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
     scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
-    b_base = lb_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-    offs_n = n_lo + tl.arange(0, BLOCK_N)
-    b = tl.load(b_base + offs_n[None, :] * stride_bn,
-                mask=r_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
+    b = load_b_tile(b_base, r_mask, n_lo, n_hi, stride_bn, BLOCK_N)
     add_tiles(a.to(lb_ptr.dtype.element_ty), b, b_base, y_ptr + rows[:, None] * stride_ym, m_mask,
               r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
 
