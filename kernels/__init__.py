@@ -22,6 +22,7 @@ from kernels.segments import (  # noqa: E402
     plan_segments,
 )
 from kernels.shrink import lora_shrink  # noqa: E402
+from kernels.shrink_expand import lora_shrink_expand  # noqa: E402
 from kernels.weights import LoRAWeights  # noqa: E402
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "lora_embedding_shrink",
     "lora_expand",
     "lora_shrink",
+    "lora_shrink_expand",
     "plan_segments",
 ]

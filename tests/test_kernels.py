@@ -11,9 +11,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kernel_cases import defined_mask, embedding_cases, linear_cases, plan_is_valid
 
-from kernels import lora_embedding_shrink, lora_expand, lora_shrink, plan_segments
+from kernels import (
+    lora_embedding_shrink,
+    lora_expand,
+    lora_shrink,
+    lora_shrink_expand,
+    plan_segments,
+)
 from kernels.reference import embedding_shrink_reference, expand_reference, shrink_reference
-from kernels.shrink_expand import lora_shrink_expand
 
 PROVIDERS = {
     "triton": (

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kernels import config, lora_embedding_shrink, lora_expand, lora_shrink
-from kernels.shrink_expand import lora_shrink_expand
+from kernels import config, lora_embedding_shrink, lora_expand, lora_shrink, lora_shrink_expand
 from lora_runtime.lora.backends.base import LoRABackend
 
 
