@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from kernels.traced_op import tracing
+
 
 def cdiv(a: int, b: int) -> int:
     """Host-side ``triton.cdiv`` (Triton's is a jit function: ~15 us a call from Python)."""
@@ -106,8 +108,6 @@ bound by its launches' host time."""
 def one_launch_lora(x: torch.Tensor) -> bool:
     """Eager (neither a CUDA graph capture nor a tracer: both keep the two-launch schedule, the
     shrink beside the GEMM) and few rows."""
-    from kernels.traced_op import tracing
-
     return (x.shape[0] <= ONE_LAUNCH_MAX_ROWS and not tracing()
             and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 

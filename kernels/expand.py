@@ -158,9 +158,7 @@ def lora_expand(
     embedding gather's). ``tiles``, ``block_n``, ``num_warps`` override the launch heuristics
     (tests, tuning)."""
     check_expand_args(weights, y, layout, "lora_expand")
-    want = (y.shape[0], weights.num_slices * weights.max_rank)
-    check(tuple(a.shape) == want and a.dtype == torch.float32,
-          lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
+    check_shrunk(a, weights, y.shape[0])
     num_groups, block_n, tiles, num_warps = launch_shape(
         weights.slice_widths, layout.block_m, layout.block_slots.shape[0], y.device, tiles,
         block_n, num_warps)
@@ -169,6 +167,13 @@ def lora_expand(
         layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,
         layout.block_m, num_groups, block_n, tiles, num_warps,
     )
+
+
+def check_shrunk(a: torch.Tensor, weights: LoRAWeights, rows: int) -> None:
+    """``a`` is what ``lora_shrink`` returns for ``rows`` rows of these weights."""
+    want = (rows, weights.num_slices * weights.max_rank)
+    check(tuple(a.shape) == want and a.dtype == torch.float32,
+          lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
 
 
 def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout | None,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.checks import check, check_layout, check_tables
+from kernels.expand import check_expand_args, check_shrunk, lora_expand
 from kernels.segments import SegmentLayout
 from kernels.weights import LoRAWeights
 
@@ -44,24 +44,12 @@ class PendingLoRA:
     layout: SegmentLayout
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
-        from kernels.expand import lora_expand
-
         lora_expand(self.a, self.weights, y, self.layout)
         return y
 
     def check(self, y: torch.Tensor, what: str) -> None:
-        w = self.weights
-        check_layout(self.layout, y.shape[0], y.device, what)
-        check(y.dim() == 2 and y.shape[1] == w.lora_b.shape[1],
-              lambda: f"{what}: the LoRA term has {w.lora_b.shape[1]} output columns but the "
-              f"projection's output is {tuple(y.shape)}")
-        check(w.lora_b.dtype == y.dtype, lambda: f"{what}: lora_b dtype {w.lora_b.dtype} "
-              f"differs from the projection's output dtype {y.dtype}")
-        want = (y.shape[0], w.num_slices * w.max_rank)
-        check(tuple(self.a.shape) == want and self.a.dtype == torch.float32,
-              lambda: f"{what}: a must be float32 {list(want)} from lora_shrink, got "
-              f"{self.a.dtype} {list(self.a.shape)}")
-        check_tables(w.ranks, w.scalings, w.num_slots, w.num_slices, y.device)
+        check_expand_args(self.weights, y, self.layout, what)
+        check_shrunk(self.a, self.weights, y.shape[0])
 
     def fused_args(self) -> tuple:
         """What a consumer's op takes after its own arguments: the kernel's LoRA arguments
