@@ -47,6 +47,10 @@ def shrink_k_block(block_r: int, k: int) -> int:
     return max(16, min(cap, next_pow2(k)))
 
 
+SHRINK_PROGRAMS = int(os.environ.get("MULTILORA_SHRINK_PROGRAMS", "0"))
+"""Programs the shrink's K split aims for (0: ``programs_wanted``). Read at import; A/B runs."""
+
+
 def shrink_split(
     k: int, block_k: int, num_programs: int, device: torch.device, split_k: int | None
 ) -> tuple[int, int]:
@@ -54,7 +58,8 @@ def shrink_split(
     of ``block_k``. ``split_k`` forces a split count (tests)."""
     k_blocks = -(-k // block_k)
     if split_k is None:
-        split_k = -(-programs_wanted(device) // max(1, num_programs))
+        wanted = SHRINK_PROGRAMS or programs_wanted(device)
+        split_k = -(-wanted // max(1, num_programs))
         if device.type == "cuda" and num_programs * 2 >= programs_wanted(device) // 4:
             # A grid that already fills the device gains little from splitting (prefill
             # qkv, H200: 2 splits 18.4 us, 4 splits 21-26 us, 6 splits 23.4 us).
@@ -94,8 +99,38 @@ T=16/8 adapters 13.3 / 21.9%, T=32/16 32.0 / 32.5%, T=64/8 15.9 / 10.9%, T=128/1
 22.4%, T=256/64 62.6 / 40.8%: below 64 rows the expand's own grid spreads B over more SMs."""
 
 
+ROW_EPILOGUE_MAX_ROWS = {
+    "rope": int(os.environ.get("MULTILORA_ROPE_EPILOGUE_MAX_ROWS", "63")),
+    "silu_mul": int(os.environ.get("MULTILORA_SILU_EPILOGUE_MAX_ROWS", "63")),
+}
+"""Forwards of at most this many rows add qkv's LoRA term in RoPE with the KV write ("rope") and
+gate_up's in SwiGLU's activation ("silu_mul") with a program per row (``kernels.lora_epilogue``;
+read at import, -1: never). At decode the separate expand is a launch on the critical path after
+the base GEMM; it was most of LoRA's cost in a graph step (see docs/perf-notes.md)."""
+
+
 def fused_expand(rows: int) -> bool:
     return rows >= FUSED_EXPAND_MIN_ROWS
+
+
+def row_epilogue(rows: int, consumer: str) -> bool:
+    return rows <= ROW_EPILOGUE_MAX_ROWS[consumer]
+
+
+def row_block_n(block_r: int) -> int:
+    """Columns of a by-rows epilogue program: its B tile (columns x rank block) stays at 4096
+    elements per slice."""
+    return max(32, 4096 // block_r)
+
+
+def expand_in_consumer(x: torch.Tensor, consumer: str) -> bool:
+    """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
+    "silu_mul" for gate_up). Not where the eager one-launch path runs (host-bound: one launch
+    beats a shrink whose term a consumer adds)."""
+    rows = x.shape[0]
+    if one_launch_lora(x):
+        return False
+    return row_epilogue(rows, consumer) or (consumer == "silu_mul" and fused_expand(rows))
 
 
 ONE_LAUNCH_MAX_ROWS = int(os.environ.get("MULTILORA_ONE_LAUNCH_MAX_ROWS", "16"))

@@ -6,6 +6,10 @@ Torch takes a dozen launches for the same (two table gathers and casts, the rota
 Neox-style rotation (Llama's ``rotate_half``) with ``cos``/``sin`` tables of ``head_dim``
 columns whose two halves are equal. Rounds like the torch reference: the tables to the model
 dtype, then ``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum.
+
+With the qkv projection's pending LoRA term (``kernels.lora_epilogue``, decode-sized forwards)
+a program handles one head of one token, so that the B columns it adds spread over the grid:
+a token-per-program grid would read a whole B row block (qkv: 6144 x rank) in one program.
 """
 
 from __future__ import annotations
@@ -16,7 +20,17 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.lora_epilogue import PendingLoRA, lora_row_delta
 from kernels.traced_op import traced_op
+
+
+@triton.jit
+def _rotate_halves(lo, hi, cos, sin):
+    dt = lo.dtype
+    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
+    new_lo = (lo32 * cos).to(dt).to(tl.float32) + (-hi32 * sin).to(dt).to(tl.float32)
+    new_hi = (hi32 * cos).to(dt).to(tl.float32) + (lo32 * sin).to(dt).to(tl.float32)
+    return new_lo.to(dt), new_hi.to(dt)
 
 
 @triton.jit
@@ -29,11 +43,8 @@ def _rotate(x_ptr, row_off, cos, sin, heads, half,
     ptr = x_ptr + row_off + offs_h[:, None] * (2 * half) + offs_d[None, :]
     lo = tl.load(ptr, mask=mask, other=0.0)
     hi = tl.load(ptr + half, mask=mask, other=0.0)
-    dt = lo.dtype
-    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
-    new_lo = (lo32 * cos).to(dt).to(tl.float32) + (-hi32 * sin).to(dt).to(tl.float32)
-    new_hi = (hi32 * cos).to(dt).to(tl.float32) + (lo32 * sin).to(dt).to(tl.float32)
-    return new_lo.to(dt), new_hi.to(dt), offs_h, offs_d, mask
+    new_lo, new_hi = _rotate_halves(lo, hi, cos, sin)
+    return new_lo, new_hi, offs_h, offs_d, mask
 
 
 @triton.jit
@@ -68,12 +79,78 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v
     tl.store(dst + half, tl.load(src + half, mask=m), mask=m)
 
 
+@triton.jit
+def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, sl,
+                    a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
+                    stride_am, stride_ar, stride_bs, stride_bn, stride_br, row,
+                    NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Halves (lo, hi) of the head vector at column ``col`` of a qkv row, its slice-``sl`` LoRA
+    term added and rounded as the expand rounds it."""
+    ptr = qkv_ptr + row_off + col + offs_d
+    lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
+            stride_bs, stride_bn, stride_br, row)
+    lo = tl.load(ptr, mask=d_mask, other=0.0)
+    hi = tl.load(ptr + half, mask=d_mask, other=0.0)
+    lo = (lo.to(tl.float32)
+          + lora_row_delta(*lora, col + offs_d, d_mask, sl, NUM_SLICES, BLOCK_R)).to(lo.dtype)
+    hi = (hi.to(tl.float32)
+          + lora_row_delta(*lora, col + half + offs_d, d_mask, sl, NUM_SLICES, BLOCK_R)
+          ).to(lo.dtype)
+    return lo, hi
+
+
+@triton.jit
+def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr,
+                         heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
+                         stride_tab, a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
+                         stride_am, stride_ar, stride_bs, stride_bn, stride_br,
+                         NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr):
+    """Grid (tokens, heads + kv_heads): program ``h < heads`` rotates q head ``h``; program
+    ``heads + j`` rotates k head ``j`` and copies v head ``j`` into the caches. Head ``h``'s
+    columns start at ``h * head_dim`` in both cases (k heads follow the q heads)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < half
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(dt).to(tl.float32)
+    sin = sin.to(dt).to(tl.float32)
+    lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
+            stride_bs, stride_bn, stride_br, t)
+    row = t * stride_qkv
+    is_q = h < heads
+    lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half,
+                             tl.where(is_q, 0, 1), *lora, NUM_SLICES, BLOCK_R)
+    lo, hi = _rotate_halves(lo, hi, cos, sin)
+    if is_q:
+        out = q_ptr + t * stride_q + h * 2 * half + offs_d
+        tl.store(out, lo, mask=d_mask)
+        tl.store(out + half, hi, mask=d_mask)
+    else:
+        j = h - heads
+        slot = tl.load(loc_ptr + t).to(tl.int64)
+        out = k_ptr + slot * stride_k + j * 2 * half + offs_d
+        tl.store(out, lo, mask=d_mask)
+        tl.store(out + half, hi, mask=d_mask)
+        v_lo, v_hi = _head_with_lora(qkv_ptr, row, (heads + kv_heads + j) * 2 * half, offs_d,
+                                     d_mask, half, 2, *lora, NUM_SLICES, BLOCK_R)
+        dst = v_ptr + slot * stride_v + j * 2 * half + offs_d
+        tl.store(dst, v_lo, mask=d_mask)
+        tl.store(dst + half, v_hi, mask=d_mask)
+
+
 def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+                      v_cache: torch.Tensor, heads: int,
+                      lora: PendingLoRA | None = None) -> torch.Tensor:
     """``qkv [T, (heads + 2 * kv_heads) * head_dim]`` -> rotated ``q [T, heads, head_dim]``;
     rotated k and v written to ``k_cache``/``v_cache`` (``[slots, kv_heads, head_dim]``) at
-    the slots ``cache_loc [T]``, token by token."""
+    the slots ``cache_loc [T]``, token by token. ``lora``: the qkv projection's pending LoRA
+    term (three slices: q, k, v), added first."""
     check_dtype("qkv", qkv)
     slots, kv_heads, head_dim = k_cache.shape
     t = qkv.shape[0]
@@ -95,7 +172,18 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == head_dim
           and cos.stride(1) == 1 and sin.stride() == cos.stride(),
           lambda: f"cos/sin tables must be [positions, {head_dim}] with contiguous rows")
-    return _rope_kv_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads)
+    if lora is None:
+        return _rope_kv_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads)
+    lora.check(qkv, "rope_and_cache_kv")
+    widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    check(lora.weights.slice_widths == widths,
+          lambda: f"rope_and_cache_kv: the LoRA term's slices {lora.weights.slice_widths} are "
+          f"not q, k, v of {widths} columns")
+    if not config.row_epilogue(t, "rope"):
+        return _rope_kv_op(lora.apply(qkv), positions, cos, sin, cache_loc, k_cache, v_cache,
+                           heads)
+    return _rope_kv_lora_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads,
+                            *lora.row_args())
 
 
 def _q(qkv: torch.Tensor, k_cache: torch.Tensor, heads: int) -> torch.Tensor:
@@ -119,4 +207,28 @@ def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 @_rope_kv_op.register_fake
 def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads):
+    return _q(qkv, k_cache, heads)
+
+
+@traced_op("multilora::rope_and_cache_kv_lora", mutates_args=("k_cache", "v_cache"))
+def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, heads: int, a: torch.Tensor, b: torch.Tensor,
+                     slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                     max_rank: int, s_am: int, s_ar: int, s_bs: int, s_bn: int, s_br: int,
+                     NUM_SLICES: int, BLOCK_R: int) -> torch.Tensor:
+    q = _q(qkv, k_cache, heads)
+    t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
+    if t:
+        _rope_kv_lora_kernel[(t, heads + kv_heads)](
+            qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
+            qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
+            a, b, slots, ranks, scalings, max_rank, s_am, s_ar, s_bs, s_bn, s_br,
+            NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, BLOCK_HALF=config.next_pow2(half),
+            num_warps=2)
+    return q
+
+
+@_rope_kv_lora_op.register_fake
+def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads, *args):
     return _q(qkv, k_cache, heads)

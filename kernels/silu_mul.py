@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import FUSE_BLOCK_M, PendingLoRA, lora_delta, lora_rows
+from kernels.lora_epilogue import FUSE_BLOCK_M, PendingLoRA, lora_delta, lora_row_delta, lora_rows
 from kernels.traced_op import traced_op
 
 BLOCK = 1024
@@ -58,6 +58,30 @@ def _silu_mul_lora_kernel(
              (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_lora_rows_kernel(
+    x_ptr, out_ptr, inter, stride_x, stride_o,
+    a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
+    stride_am, stride_ar, stride_bs, stride_bn, stride_br,
+    NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
+    lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
+            stride_bs, stride_bn, stride_br, row)
+    gate = (gate.to(tl.float32)
+            + lora_row_delta(*lora, offs, mask, 0, NUM_SLICES, BLOCK_R)).to(gate.dtype)
+    up = (up.to(tl.float32)
+          + lora_row_delta(*lora, inter + offs, mask, 1, NUM_SLICES, BLOCK_R)).to(gate.dtype)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+
 def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | None = None) -> torch.Tensor:
     """``gate_up [rows, 2 * inter]`` (gate first, then up) -> ``[rows, inter]``. ``lora``: the
     gate_up projection's pending LoRA term (two slices: gate, up), added first."""
@@ -72,6 +96,8 @@ def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | None = None) -> torch.Te
     check(w.slice_widths == (gate_up.shape[1] // 2,) * 2,
           lambda: f"silu_mul: the LoRA term's slices {w.slice_widths} are not gate and up of "
           f"{gate_up.shape[1] // 2} columns each")
+    if config.row_epilogue(gate_up.shape[0], "silu_mul"):
+        return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
     return _silu_mul_lora_op(gate_up, *lora.fused_args())
 
 
@@ -116,5 +142,27 @@ def _silu_mul_lora_op(
 
 
 @_silu_mul_lora_op.register_fake
+def _(gate_up, *args):
+    return _out(gate_up)
+
+
+@traced_op("multilora::silu_mul_lora_rows", mutates_args=())
+def _silu_mul_lora_rows_op(
+    gate_up: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+    ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, s_am: int, s_ar: int,
+    s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int, BLOCK_R: int,
+) -> torch.Tensor:
+    out = _out(gate_up)
+    rows, inter = out.shape
+    if rows:
+        block_n = min(config.row_block_n(BLOCK_R), config.next_pow2(inter))
+        _silu_mul_lora_rows_kernel[(rows, config.cdiv(inter, block_n))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0),
+            a, b, slots, ranks, scalings, max_rank, s_am, s_ar, s_bs, s_bn, s_br,
+            NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+@_silu_mul_lora_rows_op.register_fake
 def _(gate_up, *args):
     return _out(gate_up)

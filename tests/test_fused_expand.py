@@ -1,8 +1,9 @@
-"""gate_up's expand inside SwiGLU's activation (``kernels/lora_epilogue.py``): the fused kernel
-against float64 and against the separate expand followed by the activation, on random
-layouts (decode and prefill rows, the neutral slot, rank-0 slices, padding rows of a static
-view); then the model with the fused path forced on, eager and in graph replays, against the
-merged-model oracle."""
+"""Expands inside their consumers (``kernels/lora_epilogue.py``): gate_up's in SwiGLU's
+activation (by rows and by blocks), qkv's in RoPE with the KV write (by rows). Each fused kernel
+against float64 and against the separate expand followed by the consumer, on random layouts
+(decode and prefill rows, the neutral slot, rank-0 slices, padding rows of a static view, NaN
+where the shrink leaves ``a`` undefined); then the model with each path forced on, eager and in
+graph replays, against the merged-model oracle."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from graph_harness import Harness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernels.rope_kv as rope_module
 import kernels.silu_mul as silu_module
 from kernels import (
     LoRAWeights,
@@ -25,38 +27,33 @@ from kernels import (
     plan_segments,
 )
 from kernels.lora_epilogue import PendingLoRA
+from kernels.rope_kv import rope_and_cache_kv
 from kernels.silu_mul import silu_mul
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
 
 EXAMPLES = 25 if ON_GPU else 8
+EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul"), 10**9),
+             "blocks": dict.fromkeys(("rope", "silu_mul"), -1)}
+"""``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape."""
 
 
-def _weights(g, slots: int, k: int, inter: int, max_rank: int, dtype) -> LoRAWeights:
-    w = LoRAWeights.for_linear(slots, k, [inter, inter], max_rank, dtype, DEVICE)
+def _weights(g, slots: int, k: int, widths: list[int], max_rank: int, dtype) -> LoRAWeights:
+    w = LoRAWeights.for_linear(slots, k, widths, max_rank, dtype, DEVICE)
+    n = len(widths)
     w.lora_a.copy_(torch.randn(w.lora_a.shape, generator=g) * k**-0.5)
     w.lora_b.copy_(torch.randn(w.lora_b.shape, generator=g) * max_rank**-0.5)
-    w.ranks[:slots] = torch.randint(0, max_rank + 1, (slots, 2), generator=g, dtype=torch.int32)
-    w.scalings[:slots] = torch.rand(slots, 2, generator=g) + 0.5
+    w.ranks[:slots] = torch.randint(0, max_rank + 1, (slots, n), generator=g, dtype=torch.int32)
+    w.scalings[:slots] = torch.rand(slots, n, generator=g) + 0.5
     return w
 
 
-def _layout(plan, rows: int, padded: int, slots: int):
-    if padded == rows:
-        return SegmentLayout.from_plan(plan, DEVICE)
-    static = StaticSegmentLayout(padded, slots + 1, plan.block_m, slots, DEVICE)
-    static.write(plan, padded)
-    return static.view(padded)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@settings(max_examples=EXAMPLES)
-@given(data=st.data(), seed=st.integers(0, 2**16))
-def test_fused_silu_mul_matches_expand_then_activation(dtype, data, seed):
-    g = torch.Generator().manual_seed(seed)
+def _draw_problem(data, g, widths_of, dtype):
+    """A random layout (padded rows of the neutral slot included), weights of slices
+    ``widths_of(max_rank)``, and ``a`` from the shrink with NaN wherever it is undefined."""
     slots = data.draw(st.integers(1, 4))
     max_rank = data.draw(st.sampled_from([4, 16, 32] + ([64] if ON_GPU else [])))
-    inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
+    widths = widths_of(data)
     k = 32
     # request slots; slot `slots` is the neutral one
     requests = data.draw(st.lists(st.integers(0, slots), min_size=1, max_size=40))
@@ -67,9 +64,8 @@ def test_fused_silu_mul_matches_expand_then_activation(dtype, data, seed):
     padded = rows + data.draw(st.integers(0, 7))
     layout = _layout(plan, rows, padded, slots)
     token_slots = plan.token_slots + [slots] * (padded - rows)
-    w = _weights(g, slots, k, inter, max_rank, dtype)
+    w = _weights(g, slots, k, widths, max_rank, dtype)
     x = torch.randn(padded, k, generator=g).to(dtype).to(DEVICE)
-    y = torch.randn(padded, 2 * inter, generator=g).to(dtype).to(DEVICE)
     a = lora_shrink(x, w, layout)
     # Hazard poison: what the shrink leaves undefined must never reach the output.
     neutral = torch.tensor([s == slots for s in token_slots], dtype=torch.bool, device=DEVICE)
@@ -77,16 +73,101 @@ def test_fused_silu_mul_matches_expand_then_activation(dtype, data, seed):
     for slot in range(slots):
         rows_of = torch.tensor([s == slot for s in token_slots], dtype=torch.bool,
                                device=DEVICE)
-        for sl in range(2):
+        for sl in range(len(widths)):
             r = int(w.ranks[slot, sl])
             a[rows_of, sl * max_rank + r: (sl + 1) * max_rank] = float("nan")
-    got = silu_mul(y, PendingLoRA(a, w, layout))
-    assert got.shape == (padded, inter) and torch.isfinite(got).all()
-    want = silu_mul(PendingLoRA(a, w, layout).apply(y.clone()))
+    return x, w, layout, token_slots, PendingLoRA(a, w, layout)
+
+
+def _layout(plan, rows: int, padded: int, slots: int):
+    if padded == rows:
+        return SegmentLayout.from_plan(plan, DEVICE)
+    static = StaticSegmentLayout(padded, slots + 1, plan.block_m, slots, DEVICE)
+    static.write(plan, padded)
+    return static.view(padded)
+
+
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dtype, data, seed):
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    g = torch.Generator().manual_seed(seed)
+    inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
+    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype)
+    y = torch.randn(x.shape[0], 2 * inter, generator=g).to(dtype).to(DEVICE)
+    got = silu_mul(y, lora)
+    assert got.shape == (x.shape[0], inter) and torch.isfinite(got).all()
+    want = silu_mul(lora.apply(y.clone()))
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
     gu = y.double().cpu() + lora_delta_f64(x, w, token_slots)
     ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert rel_err(got, ref) <= 4 * TOL[dtype]
+
+
+def _rope_f64(x, pos, cos, sin):
+    """Rotate-half RoPE in float64 from the tables' first half: x [T, H, D]."""
+    half = x.shape[-1] // 2
+    c, s = cos[pos, :half].double()[:, None, :], sin[pos, :half].double()[:, None, :]
+    lo, hi = x[..., :half], x[..., half:]
+    return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_rope_with_the_qkv_term_matches_expand_then_rope(dtype, data, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv_heads, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 3]))
+    head_dim = data.draw(st.sampled_from([8, 16] + ([128] if ON_GPU else [])))
+    heads = kv_heads * group
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: widths, dtype)
+    t = x.shape[0]
+    qkv = torch.randn(t, sum(widths), generator=g).to(dtype).to(DEVICE)
+    ang = torch.arange(64).double()[:, None] * torch.rand(head_dim // 2, generator=g).double()
+    cos = ang.cos().repeat(1, 2).float().to(DEVICE)
+    sin = ang.sin().repeat(1, 2).float().to(DEVICE)
+    pos = torch.randint(0, 64, (t,), generator=g).to(DEVICE)
+    slots = t + 5
+    loc = (torch.randperm(slots - 1, generator=g)[:t] + 1).to(DEVICE)
+
+    def caches():
+        return [torch.full((slots, kv_heads, head_dim), float("nan"), dtype=dtype,
+                           device=DEVICE) for _ in range(2)]
+
+    (k_got, v_got), (k_want, v_want) = caches(), caches()
+    q = rope_and_cache_kv(qkv, pos, cos, sin, loc, k_got, v_got, heads, lora)
+    q_want = rope_and_cache_kv(lora.apply(qkv.clone()), pos, cos, sin, loc, k_want, v_want,
+                               heads)
+    for got, want in ((q, q_want), (k_got[loc], k_want[loc]), (v_got[loc], v_want[loc])):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert k_got[untouched].isnan().all() and v_got[untouched].isnan().all()
+    full = qkv.double().cpu() + lora_delta_f64(x, w, token_slots)
+    q64, k64, v64 = full.split(widths, 1)
+    pos, cos, sin = pos.cpu(), cos.cpu(), sin.cpu()
+    assert rel_err(q, _rope_f64(q64.reshape(t, heads, head_dim), pos, cos, sin)) \
+        <= 4 * TOL[dtype]
+    assert rel_err(k_got[loc], _rope_f64(k64.reshape(t, kv_heads, head_dim), pos, cos, sin)) \
+        <= 4 * TOL[dtype]
+    assert rel_err(v_got[loc], v64.reshape(t, kv_heads, head_dim)) <= 4 * TOL[dtype]
+
+
+def test_rope_refuses_a_term_of_another_projection():
+    g = torch.Generator().manual_seed(0)
+    layout = SegmentLayout.from_plan(plan_segments([0, 1], block_m=16), DEVICE)
+    w = _weights(g, 2, 8, [16, 16], 4, torch.float32)  # two slices: gate_up's shape
+    lora = PendingLoRA(torch.zeros(2, 8, device=DEVICE), w, layout)
+    caches = [torch.zeros(4, 1, 8, device=DEVICE) for _ in range(2)]
+    tab = torch.ones(8, 8, device=DEVICE)
+    ids = torch.tensor([1, 2], device=DEVICE)
+    with pytest.raises(ValueError, match="not q, k, v"):
+        rope_and_cache_kv(torch.randn(2, 32, device=DEVICE), ids, tab, tab, ids, *caches, 2,
+                          lora)
 
 
 def test_fused_silu_mul_refuses_a_term_of_another_projection():
@@ -97,21 +178,35 @@ def test_fused_silu_mul_refuses_a_term_of_another_projection():
     a = torch.zeros(2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="not gate and up"):
         silu_mul(torch.randn(2, 24, generator=g).to(DEVICE), PendingLoRA(a, w, layout))
-    w2 = _weights(g, 2, 8, 12, 16, torch.float32)
+    w2 = _weights(g, 2, 8, [12, 12], 16, torch.float32)
     with pytest.raises(ValueError, match="a must be float32"):
         silu_mul(torch.randn(2, 24, device=DEVICE), PendingLoRA(a, w2, layout))
     with pytest.raises(ValueError, match="covers 2 rows"):
         silu_mul(torch.randn(3, 24, device=DEVICE), PendingLoRA(torch.zeros(3, 32), w2, layout))
 
 
+def _count_calls(monkeypatch, module, name: str) -> list:
+    calls, op = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or op(*a))
+    return calls
+
+
 @pytest.mark.slow
-def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monkeypatch):
-    """Forced on for every row count, under the Triton base kernels: eager forwards and graph
-    replays (decode and prefill buckets) equal each other and the merged model."""
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monkeypatch,
+                                                                           epilogue):
+    """Each program shape forced on for every row count (the one-launch eager path off),
+    under the Triton base kernels: eager forwards and graph replays (decode and prefill
+    buckets) equal each other and the merged model."""
     monkeypatch.setattr(config, "FUSED_EXPAND_MIN_ROWS", 0)
-    calls = []
-    op = silu_module._silu_mul_lora_op
-    monkeypatch.setattr(silu_module, "_silu_mul_lora_op", lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    if epilogue == "rows":
+        calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op")
+        rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
+    else:
+        calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
+        rope_calls = [1]  # qkv's expand runs separately at every size
     with use_base_backend("triton"):
         h = Harness("triton", DEVICE, decode_buckets=[4], max_context=16, prefill_buckets=[24],
                     max_requests=4, slots=3, max_rank=8, dtype=torch.float32)
@@ -128,3 +223,4 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         release(reqs, h.runner.kv)
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
+    assert rope_calls, "RoPE with the qkv term never ran"

@@ -1,6 +1,10 @@
-"""LoRA linears in every schedule (``linear_schedule``): the same output bit for bit, and
-base + LoRA against float64; on the GPU, inside CUDA graphs whose side branch must be joined
-before the output is read."""
+"""LoRA linears in every schedule (``linear_schedule``): the same output up to one rounding of
+the shrink's output, and base + LoRA against float64; on the GPU, inside CUDA graphs whose
+side branch must be joined before the output is read.
+
+Not bit for bit: a split-K shrink adds its splits with float atomics in no fixed order, so two
+runs of one schedule may round ``a`` to the weights' dtype one unit apart (seen on the H200:
+one element of ``a`` in a bf16 replay, 136 outputs one unit off)."""
 
 from __future__ import annotations
 
@@ -33,6 +37,14 @@ def _problem(case, dtype, seed):
     return x, w
 
 
+def _assert_same_up_to_a_rounding(got, want, lora_term):
+    """``got`` equals ``want`` but for outputs one rounding of ``a`` apart: within the dtype's
+    eps of the LoRA term's size. A missing or half-added LoRA term is far outside that."""
+    eps = torch.finfo(want.dtype).eps
+    atol = eps * lora_term.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=eps, atol=atol)
+
+
 def _run(kernels, case, x, w, schedule):
     shrink, expand = kernels
     return lora_linear(lambda v: v @ w.t(), x, lambda v: shrink(v, case),
@@ -49,9 +61,13 @@ def test_every_schedule_gives_the_in_place_result(provider, dtype, data):
     serial = _run(KERNELS[provider], case, x, w, "serial")
     want = (x.double() @ w.double().t()).cpu() + lora_delta_f64(x, case.weights, case.token_slots)
     assert rel_err(serial.cpu(), want) < TOL[dtype]
+    lora_term = serial.double() - (x.double() @ w.double().t())
     for schedule in SCHEDULES:
         got = _run(KERNELS[provider], case, x, w, schedule)
-        assert torch.equal(got, serial), f"{schedule} differs from the serial order"
+        if provider == "torch" or not (lora_term != 0).any():
+            assert torch.equal(got, serial), f"{schedule} differs from the serial order"
+        else:
+            _assert_same_up_to_a_rounding(got, serial, lora_term)
 
 
 def test_unknown_schedule_names_the_choices():
@@ -101,4 +117,4 @@ def test_graph_branches_join_before_the_output_is_read(schedule, rows):
         x.copy_(torch.randn_like(x))
         graph.replay()
         want = _run(KERNELS["triton"], case, x, w, "serial")
-        torch.testing.assert_close(out["y"], want)
+        _assert_same_up_to_a_rounding(out["y"], want, want.double() - x.double() @ w.double().t())

@@ -65,24 +65,36 @@ class MLPRowLinearWithLoRA(RowLinearWithLoRA):
     rows = RowSet.GATHERED
 
 
-class QKVLinearWithLoRA(LinearWithLoRA):
-    """Fused q, k, v: three slices of unequal width (GQA), each with its own rank/scaling."""
+class DeferredExpandLinear(LinearWithLoRA):
+    """A projection whose next kernel (``consumer``) can add its LoRA term to the rows it
+    loads (``kernels.lora_epilogue``): the model calls ``forward_deferred``."""
 
-
-class MergedColumnLinearWithLoRA(LinearWithLoRA):
-    """Fused gate, up: two slices of equal width, on the MLP's rows. Under DP it is
-    column-parallel: A is whole and B holds this rank's output rows of each slice."""
-
-    rows = RowSet.GATHERED
+    consumer: str
 
     def forward_deferred(self, x: torch.Tensor):
-        """``(output, PendingLoRA or None)``: where the backend fuses the expand into SwiGLU's
-        activation (``backend.fuses_expand``), the LoRA term is returned pending for
-        ``silu_mul`` to add; otherwise it is already in the output."""
-        if self.lora_active and self.backend.fuses_expand(x.shape[0]):
+        """``(output, PendingLoRA or None)``: where the backend leaves the expand to the
+        consumer (``backend.fuses_expand``), the LoRA term is returned pending for it to add;
+        otherwise it is already in the output."""
+        if self.lora_active and self.backend.fuses_expand(x, self.consumer):
             return self.backend.linear_deferred(self._modules["base"], x.contiguous(),
                                                 self.lora, self.rows)
         return self(x), None
+
+
+class QKVLinearWithLoRA(DeferredExpandLinear):
+    """Fused q, k, v: three slices of unequal width (GQA), each with its own rank/scaling.
+    RoPE with the KV write may add its LoRA term."""
+
+    consumer = "rope"
+
+
+class MergedColumnLinearWithLoRA(DeferredExpandLinear):
+    """Fused gate, up: two slices of equal width, on the MLP's rows. Under DP it is
+    column-parallel: A is whole and B holds this rank's output rows of each slice. SwiGLU's
+    activation may add its LoRA term."""
+
+    rows = RowSet.GATHERED
+    consumer = "silu_mul"
 
 
 class LMHeadWithLoRA(LinearWithLoRA):

@@ -29,8 +29,13 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
         t = hidden.shape[0]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
-        q = self.rotary.rotate_and_cache(self.qkv_proj(hidden), batch.positions,
-                                         batch.out_cache_loc, k_cache, v_cache, self.num_heads)
+        qkv_proj = self.qkv_proj
+        # A LoRA wrapper may leave its expand to RoPE (class lookup: no Module.__getattr__ on
+        # the plain nn.Linear path).
+        qkv, lora = (qkv_proj.forward_deferred(hidden)
+                     if hasattr(type(qkv_proj), "forward_deferred") else (qkv_proj(hidden), None))
+        q = self.rotary.rotate_and_cache(qkv, batch.positions, batch.out_cache_loc, k_cache,
+                                         v_cache, self.num_heads, lora)
         if t == 0:
             out = q
         elif isinstance(batch.attn, DecodeAttention):

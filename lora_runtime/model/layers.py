@@ -90,12 +90,17 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-    def rotate_and_cache(self, qkv, positions, cache_loc, k_cache, v_cache, heads: int):
+    def rotate_and_cache(self, qkv, positions, cache_loc, k_cache, v_cache, heads: int,
+                         lora=None):
         """``qkv [T, (heads + 2 KV) * D]`` -> rotated ``q [T, heads, D]``; rotated k and v
-        written to the caches at ``cache_loc``."""
+        written to the caches at ``cache_loc``. ``lora``: the qkv projection's pending LoRA
+        term (``kernels.lora_epilogue.PendingLoRA``), added first: inside the Triton kernel,
+        or by the expand before the torch version."""
         if base_backend() == "triton":
             return rope_and_cache_kv(qkv, positions, self.cos, self.sin, cache_loc, k_cache,
-                                     v_cache, heads)
+                                     v_cache, heads, lora)
+        if lora is not None:
+            qkv = lora.apply(qkv)
         t, (kv_heads, d) = qkv.shape[0], k_cache.shape[1:]
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         q, k = self(positions, q.reshape(t, heads, d), k.reshape(t, kv_heads, d))

@@ -102,9 +102,10 @@ class LoRABackend:
         base GEMM instead of shrink and expand around it."""
         return False
 
-    def fuses_expand(self, rows: int) -> bool:
-        """Whether a projection of ``rows`` rows may leave its expand to its consumer
-        (``linear_deferred``): only backends whose consumer kernels read its layout."""
+    def fuses_expand(self, x: torch.Tensor, consumer: str) -> bool:
+        """Whether a projection of ``x``'s rows may leave its expand to ``consumer``
+        (``linear_deferred``; "rope" for qkv, "silu_mul" for gate_up): only backends whose
+        consumer kernels read its layout."""
         return False
 
     def linear_deferred(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

@@ -9,8 +9,8 @@ from lora_runtime.lora.backends.base import LoRABackend
 class TritonBackend(LoRABackend):
     name = "triton"
 
-    def fuses_expand(self, rows: int) -> bool:
-        return config.fused_expand(rows)
+    def fuses_expand(self, x, consumer):
+        return config.expand_in_consumer(x, consumer)
 
     def one_launch(self, x):
         return config.one_launch_lora(x)
