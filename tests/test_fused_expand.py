@@ -1,6 +1,5 @@
 """Expands inside their consumers (``kernels/lora_epilogue.py``): gate_up's in SwiGLU's
-activation (by rows and by blocks), qkv's in RoPE with the KV write, o_proj's and down_proj's
-in the residual add and RMSNorm (by rows). Each fused kernel
+activation (by rows and by blocks), qkv's in RoPE with the KV write (by rows). Each fused kernel
 against float64 and against the separate expand followed by the consumer, on random layouts
 (decode and prefill rows, the neutral slot, rank-0 slices, padding rows of a static view, NaN
 where the shrink leaves ``a`` undefined); then the model with each path forced on, eager and in
@@ -17,7 +16,6 @@ from graph_harness import Harness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.rms_norm as norm_module
 import kernels.rope_kv as rope_module
 import kernels.silu_mul as silu_module
 from kernels import (
@@ -29,15 +27,14 @@ from kernels import (
     plan_segments,
 )
 from kernels.lora_epilogue import PendingLoRA
-from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.silu_mul import silu_mul
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
 
 EXAMPLES = 25 if ON_GPU else 8
-EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul", "norm"), 10**9),
-             "blocks": dict.fromkeys(("rope", "silu_mul", "norm"), -1)}
+EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul"), 10**9),
+             "blocks": dict.fromkeys(("rope", "silu_mul"), -1)}
 """``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape."""
 
 
@@ -162,43 +159,6 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(dtype, data, seed):
     assert rel_err(v_got[loc], v64.reshape(t, kv_heads, head_dim)) <= 4 * TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@settings(max_examples=EXAMPLES)
-@given(data=st.data(), seed=st.integers(0, 2**16))
-def test_add_norm_with_the_term_matches_expand_then_add_norm(dtype, data, seed):
-    g = torch.Generator().manual_seed(seed)
-    hidden = data.draw(st.sampled_from([24, 200] + ([4096] if ON_GPU else [])))
-    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [hidden], dtype)
-    y = torch.randn(x.shape[0], hidden, generator=g).to(dtype).to(DEVICE)
-    res = torch.randn(x.shape[0], hidden, generator=g).to(dtype).to(DEVICE)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
-    y_in = y.clone()
-    out, summed = rms_norm(y, weight, 1e-5, res, lora)
-    assert torch.equal(y, y_in), "x is an input: the term is added to a copy or in registers"
-    want_out, want_sum = rms_norm(lora.apply(y.clone()), weight, 1e-5, res)
-    for got, want in ((out, want_out), (summed, want_sum)):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
-    s64 = y.double().cpu() + lora_delta_f64(x, w, token_slots) + res.double().cpu()
-    ref = weight.double().cpu() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert rel_err(summed, s64) <= 4 * TOL[dtype]
-    assert rel_err(out, ref) <= 4 * TOL[dtype]
-
-
-def test_norm_refuses_a_term_without_residual_or_of_several_slices():
-    g = torch.Generator().manual_seed(0)
-    layout = SegmentLayout.from_plan(plan_segments([0, 1], block_m=16), DEVICE)
-    one = _weights(g, 2, 8, [16], 4, torch.float32)
-    two = _weights(g, 2, 8, [8, 8], 4, torch.float32)
-    x, weight = torch.randn(2, 16, device=DEVICE), torch.ones(16, device=DEVICE)
-    with pytest.raises(ValueError, match="added with the residual"):
-        rms_norm(x, weight, 1e-5, None, PendingLoRA(torch.zeros(2, 4, device=DEVICE), one,
-                                                    layout))
-    with pytest.raises(ValueError, match="single-slice"):
-        rms_norm(x, weight, 1e-5, x.clone(), PendingLoRA(torch.zeros(2, 8, device=DEVICE), two,
-                                                         layout))
-
-
 def test_rope_refuses_a_term_of_another_projection():
     g = torch.Generator().manual_seed(0)
     layout = SegmentLayout.from_plan(plan_segments([0, 1], block_m=16), DEVICE)
@@ -246,10 +206,9 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     if epilogue == "rows":
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
-        norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op")
     else:
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
-        rope_calls = norm_calls = [1]  # qkv's, o's and down's expands run separately
+        rope_calls = [1]  # qkv's expand runs separately at every size
     with use_base_backend("triton"):
         h = Harness("triton", DEVICE, decode_buckets=[4], max_context=16, prefill_buckets=[24],
                     max_requests=4, slots=3, max_rank=8, dtype=torch.float32)
@@ -267,4 +226,3 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
     assert rope_calls, "RoPE with the qkv term never ran"
-    assert norm_calls, "the add-and-norm with a projection's term never ran"

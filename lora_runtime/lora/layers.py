@@ -49,6 +49,22 @@ class LinearWithLoRA(LoRALayer):
         return F.linear(x, params["weight"], params["bias"])
 
 
+class ColumnLinearWithLoRA(LinearWithLoRA):
+    pass
+
+
+class RowLinearWithLoRA(LinearWithLoRA):
+    """o_proj."""
+
+
+class MLPRowLinearWithLoRA(RowLinearWithLoRA):
+    """down_proj: runs on the MLP's rows. Under DP it is row-parallel: A holds this rank's
+    input columns and B is whole, so the partial LoRA term is added before the
+    reduce-scatter that sums the base layer's partial outputs, and is summed with them."""
+
+    rows = RowSet.GATHERED
+
+
 class DeferredExpandLinear(LinearWithLoRA):
     """A projection whose next kernel (``consumer``) can add its LoRA term to the rows it
     loads (``kernels.lora_epilogue``): the model calls ``forward_deferred``."""
@@ -63,25 +79,6 @@ class DeferredExpandLinear(LinearWithLoRA):
             return self.backend.linear_deferred(self._modules["base"], x.contiguous(),
                                                 self.lora, self.rows)
         return self(x), None
-
-
-class ColumnLinearWithLoRA(LinearWithLoRA):
-    pass
-
-
-class RowLinearWithLoRA(DeferredExpandLinear):
-    """o_proj. The residual add and RMSNorm after it may add its LoRA term."""
-
-    consumer = "norm"
-
-
-class MLPRowLinearWithLoRA(RowLinearWithLoRA):
-    """down_proj: runs on the MLP's rows. Under DP it is row-parallel: A holds this rank's
-    input columns and B is whole, so the partial LoRA term is added before the
-    reduce-scatter that sums the base layer's partial outputs, and is summed with them (so
-    under DP the MLP never defers its expand)."""
-
-    rows = RowSet.GATHERED
 
 
 class QKVLinearWithLoRA(DeferredExpandLinear):

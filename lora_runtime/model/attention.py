@@ -11,7 +11,7 @@ from torch import nn
 from lora_runtime.engine.forward_batch import DecodeAttention, ForwardBatch
 from lora_runtime.model.attention_ops import decode_attention, extend_attention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RotaryEmbedding, deferred
+from lora_runtime.model.layers import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -26,11 +26,14 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by every layer
         self.scale = self.head_dim**-0.5
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv):
-        """``(output, o_proj's PendingLoRA or None)``: the term is left to the norm after."""
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
         t = hidden.shape[0]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
-        qkv, lora = deferred(self.qkv_proj, hidden)
+        qkv_proj = self.qkv_proj
+        # A LoRA wrapper may leave its expand to RoPE (class lookup: no Module.__getattr__ on
+        # the plain nn.Linear path).
+        qkv, lora = (qkv_proj.forward_deferred(hidden)
+                     if hasattr(type(qkv_proj), "forward_deferred") else (qkv_proj(hidden), None))
         q = self.rotary.rotate_and_cache(qkv, batch.positions, batch.out_cache_loc, k_cache,
                                          v_cache, self.num_heads, lora)
         if t == 0:
@@ -39,4 +42,4 @@ class LlamaAttention(nn.Module):
             out = decode_attention(q, k_cache, v_cache, batch.attn, self.scale)
         else:
             out = extend_attention(q, k_cache, v_cache, batch.attn, batch.positions, self.scale)
-        return deferred(self.o_proj, out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(t, self.q_size))

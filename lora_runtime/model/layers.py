@@ -23,29 +23,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora=None):
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``lora``: the
-        pending LoRA term of the projection that produced ``x``, added to it first: inside the
-        Triton kernel, or by the expand before the torch version."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         if base_backend() == "triton":
-            return rms_norm(x, self.weight, self.eps, residual, lora)
-        if lora is not None:
-            x = lora.apply(x)
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, x)
-
-
-def deferred(projection: nn.Module, x: torch.Tensor):
-    """``(projection(x), None)``, or where ``projection`` is a LoRA wrapper that may leave its
-    expand to the next kernel, ``(base output, PendingLoRA or None)`` (a class lookup: no
-    ``Module.__getattr__`` on the plain ``nn.Linear`` path)."""
-    if hasattr(type(projection), "forward_deferred"):
-        return projection.forward_deferred(x)
-    return projection(x), None
 
 
 def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.forward_batch import ForwardBatch
 from lora_runtime.model.attention import LlamaAttention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, deferred, silu_mul
+from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, silu_mul
 
 
 class LlamaMLP(nn.Module):
@@ -24,17 +24,19 @@ class LlamaMLP(nn.Module):
         """Set by ``lora_runtime.dp.shard.shard_mlp``: this rank holds 1/size of the
         intermediate dimension and runs on the rows gathered from every rank."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch):
-        """``(output, down_proj's PendingLoRA or None)``: without DP the term is left to the
-        next norm; under DP it is partial and must be summed by the reduce-scatter."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.dp is None:
-            return deferred(self.down_proj, self._activation(x))
+            return self._local(x)
         rows = gather_rows(x, batch.gathered.rows_per_rank, self.dp)
-        out = self.down_proj(self._activation(rows))
-        return reduce_scatter_rows(out, self.dp)[: x.shape[0]], None
+        return reduce_scatter_rows(self._local(rows), self.dp)[: x.shape[0]]
 
-    def _activation(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_mul(*deferred(self.gate_up_proj, x))
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj
+        # A LoRA wrapper may leave its expand to the activation (class lookup: no
+        # Module.__getattr__ on the plain nn.Linear path).
+        if hasattr(type(gate_up), "forward_deferred"):
+            return self.down_proj(silu_mul(*gate_up.forward_deferred(x)))
+        return self.down_proj(silu_mul(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -45,19 +47,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, residual, batch: ForwardBatch, kv, lora=None):
-        """``(hidden, residual, lora)`` -> the same after this layer. The residual stream is
+    def forward(self, hidden, residual, batch: ForwardBatch, kv):
+        """``(hidden, residual)`` -> the same pair after this layer. The residual stream is
         carried unsummed: each norm adds the previous block's output into it (one fused
-        kernel), and the first layer starts it (``residual`` None). ``lora``: the previous
-        block's pending LoRA term, which that norm adds to ``hidden`` first."""
+        kernel), and the first layer starts it (``residual`` None)."""
         if residual is None:
-            residual, x = hidden, self.input_layernorm(hidden, None, lora)
+            residual, x = hidden, self.input_layernorm(hidden)
         else:
-            x, residual = self.input_layernorm(hidden, residual, lora)
-        hidden, lora = self.self_attn(x, batch, kv)
-        x, residual = self.post_attention_layernorm(hidden, residual, lora)
-        hidden, lora = self.mlp(x, batch)
-        return hidden, residual, lora
+            x, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(x, batch, kv)
+        x, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(x, batch), residual
 
 
 class LlamaModel(nn.Module):
@@ -71,12 +71,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
-        hidden, residual, lora = self.embed_tokens(batch.input_ids), None, None
+        hidden, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            hidden, residual, lora = layer(hidden, residual, batch, kv, lora)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual, lora)[0]
+            hidden, residual = layer(hidden, residual, batch, kv)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
