@@ -48,28 +48,20 @@ def _rotate(x_ptr, row_off, cos, sin, heads, half,
 
 
 @triton.jit
-def _tables(pos_ptr, cos_ptr, sin_ptr, t, stride_tab, half, dt, BLOCK_HALF: tl.constexpr):
-    """(offs_d, d_mask, cos, sin) of token ``t``'s position: the tables' first half, rounded
-    to the model dtype, in fp32."""
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < half
-    cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
-    return offs_d, d_mask, cos.to(dt).to(tl.float32), sin.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr,
                     heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
                     stride_tab, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
                     BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
-    _, _, cos, sin = _tables(pos_ptr, cos_ptr, sin_ptr, t, stride_tab, half,
-                             qkv_ptr.dtype.element_ty, BLOCK_HALF)
-    cos = cos[None, :]
-    sin = sin[None, :]
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < half
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(dt).to(tl.float32)[None, :]
+    sin = sin.to(dt).to(tl.float32)[None, :]
     row = t * stride_qkv
     lo, hi, oh, od, m = _rotate(qkv_ptr, row, cos, sin, heads, half, BLOCK_H, BLOCK_HALF)
     out = q_ptr + t * stride_q + oh[:, None] * (2 * half) + od[None, :]
@@ -119,8 +111,14 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
     columns start at ``h * head_dim`` in both cases (k heads follow the q heads)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs_d, d_mask, cos, sin = _tables(pos_ptr, cos_ptr, sin_ptr, t, stride_tab, half,
-                                       qkv_ptr.dtype.element_ty, BLOCK_HALF)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < half
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(dt).to(tl.float32)
+    sin = sin.to(dt).to(tl.float32)
     lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
             stride_bs, stride_bn, stride_br, t)
     row = t * stride_qkv
