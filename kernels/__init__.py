@@ -21,7 +21,7 @@ from kernels.segments import (  # noqa: E402
     StaticSegmentLayout,
     plan_segments,
 )
-from kernels.shrink import lora_shrink  # noqa: E402
+from kernels.shrink import lora_shrink, lora_shrink_with_delta  # noqa: E402
 from kernels.shrink_expand import lora_shrink_expand  # noqa: E402
 from kernels.weights import LoRAWeights  # noqa: E402
 
@@ -35,5 +35,6 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "lora_shrink_expand",
+    "lora_shrink_with_delta",
     "plan_segments",
 ]

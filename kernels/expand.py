@@ -183,7 +183,9 @@ def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayo
     check(y.dim() == 2 and y.shape[1] == b.shape[1],
           lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}")
     check_dtype("y", y)
-    check(b.dtype == y.dtype, lambda: f"lora_b dtype {b.dtype} differs from y dtype {y.dtype}")
+    check(b.dtype == y.dtype or y.dtype == torch.float32,
+          lambda: f"lora_b dtype {b.dtype} differs from y dtype {y.dtype} (y may also be a "
+          "float32 delta)")
     check(b.device == y.device, lambda: f"lora_b is on {b.device} but y is on {y.device}")
     check(b.shape[2] == weights.max_rank,
           lambda: f"lora_b must be [slots, out, max_rank={weights.max_rank}], got {tuple(b.shape)}")

@@ -5,6 +5,10 @@ Numerics follow Hugging Face's Llama step by step, each intermediate rounded to 
 dtype where torch rounds it: ``s = x + residual`` (rounded), ``h = s * rsqrt(mean(s^2) + eps)``
 in fp32, rounded, then ``weight * h`` rounded. So the kernel and the torch reference agree to
 the last bit or so, and greedy tokens do not depend on the backend.
+
+``delta`` (float32, optional): the previous projection's LoRA term, computed beside its GEMM
+(``LoRABackend.linear_delta``) and added here first, rounded as the expand would round it:
+``x = round(x + delta)``.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from kernels.traced_op import traced_op
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, cols, eps,
-                     stride_x, stride_r, stride_o, stride_s,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, cols, eps,
+                     stride_x, stride_r, stride_d, stride_o, stride_s,
+                     HAS_RES: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -38,32 +45,41 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, cols, eps,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``.
+             residual: torch.Tensor | None = None, delta: torch.Tensor | None = None):
+    """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``; ``delta``
+    is added to ``x`` first.
 
-    ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension)."""
+    ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension);
+    ``delta``: float32, the shape of ``x``, contiguous rows."""
     check_dtype("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
           f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
     check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
           f"expected ({x.shape[1]},) (the hidden size of x)")
+    if delta is not None:
+        check(delta.shape == x.shape and delta.dtype == torch.float32 and delta.stride(-1) == 1
+              and delta.device == x.device,
+              lambda: f"delta must be float32 {tuple(x.shape)} with contiguous rows on "
+              f"{x.device} (LoRABackend.linear_delta), got {delta.dtype} {tuple(delta.shape)} "
+              f"on {delta.device}")
     if residual is None:
-        return _rms_norm_op(x, weight, eps)
+        return _rms_norm_op(x, weight, eps, delta)
     check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,
           lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
           f"{tuple(residual.shape)}, {residual.dtype}")
-    return _add_rms_norm_op(x, residual, weight, eps)
+    return _add_rms_norm_op(x, residual, weight, eps, delta)
 
 
-def _launch(x, residual, weight, eps, out, summed) -> None:
+def _launch(x, residual, delta, weight, eps, out, summed) -> None:
     if x.shape[0] == 0:
         return
     block = config.next_pow2(x.shape[1])
     res, s = (residual, summed) if residual is not None else (x, out)
+    d = delta if delta is not None else x
     _rms_norm_kernel[(x.shape[0],)](
-        x, res, weight, out, s, x.shape[1], eps, x.stride(0), res.stride(0), out.stride(0),
-        s.stride(0), HAS_RES=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)))
+        x, res, d, weight, out, s, x.shape[1], eps, x.stride(0), res.stride(0), d.stride(0),
+        out.stride(0), s.stride(0), HAS_RES=residual is not None, HAS_DELTA=delta is not None,
+        BLOCK=block, num_warps=min(16, max(1, block // 512)))
 
 
 def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -71,25 +87,27 @@ def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @traced_op("multilora::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> torch.Tensor:
     out = _out(x, weight)
-    _launch(x, None, weight, eps, out, None)
+    _launch(x, None, delta, weight, eps, out, None)
     return out
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, delta=None):
     return _out(x, weight)
 
 
 @traced_op("multilora::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, delta: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     out, summed = _out(x, weight), torch.empty_like(x)
-    _launch(x, residual, weight, eps, out, summed)
+    _launch(x, residual, delta, weight, eps, out, summed)
     return out, summed
 
 
 @_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, delta=None):
     return _out(x, weight), torch.empty_like(x)

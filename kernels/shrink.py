@@ -83,10 +83,12 @@ def _shrink_op(
     x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, permutation: torch.Tensor,
     block_slots: torch.Tensor, block_starts: torch.Tensor, block_ends: torch.Tensor,
     block_m: int, num_slices: int, splits: int, k_per_split: int, block_k: int, num_warps: int,
+    tail: int,
 ) -> torch.Tensor:
+    """``[rows, slices * max_rank + tail]``: the shrink's columns, then ``tail`` zeros."""
     t, k = x.shape
-    alloc = torch.zeros if splits > 1 else torch.empty
-    out = alloc(t, lora_a.shape[1], dtype=torch.float32, device=x.device)
+    alloc = torch.zeros if splits > 1 or tail else torch.empty
+    out = alloc(t, lora_a.shape[1] + tail, dtype=torch.float32, device=x.device)
     max_rank = lora_a.shape[1] // num_slices
     grid = (block_slots.shape[0], num_slices, splits)
     if t == 0 or grid[0] == 0:
@@ -107,8 +109,8 @@ def _shrink_op(
 
 @_shrink_op.register_fake
 def _(x, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
-      block_m, num_slices, splits, k_per_split, block_k, num_warps):
-    return x.new_empty(x.shape[0], lora_a.shape[1], dtype=torch.float32)
+      block_m, num_slices, splits, k_per_split, block_k, num_warps, tail):
+    return x.new_empty(x.shape[0], lora_a.shape[1] + tail, dtype=torch.float32)
 
 
 def lora_shrink(
@@ -122,16 +124,30 @@ def lora_shrink(
     """fp32 ``[rows, num_slices * max_rank]``, defined where the row's slot has a rank above
     the column's index within its slice. ``split_k``, ``block_k``, ``num_warps`` override the
     launch heuristics (tests, tuning)."""
+    return _shrink(x, weights, layout, 0, split_k, block_k, num_warps)
+
+
+def lora_shrink_with_delta(x: torch.Tensor, weights: LoRAWeights,
+                           layout: SegmentLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, delta)``: ``lora_shrink``'s ``a``, and a zeroed float32 ``[rows, out]`` for
+    ``lora_expand`` to add the term into, both column slices of one buffer: one memset zeroes
+    both (inside a graph every node on the side branch delays the join)."""
+    cols = weights.num_slices * weights.max_rank
+    both = _shrink(x, weights, layout, weights.lora_b.shape[1], None, None, None)
+    return both[:, :cols], both[:, cols:]
+
+
+def _shrink(x, weights, layout, tail, split_k, block_k, num_warps) -> torch.Tensor:
     check_shrink_args(x, weights, layout, "lora_shrink")
-    a = weights.lora_a
     block_k, splits, k_per_split, num_warps = _launch_shape(
         x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
         layout.block_m, x.device, split_k, block_k, num_warps)
-    return _shrink_op(
-        x, a, weights.ranks, layout.permutation, layout.block_slots, layout.block_starts,
-        layout.block_ends, layout.block_m, weights.num_slices, splits, k_per_split, block_k,
-        num_warps,
+    out = _shrink_op(
+        x, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,
+        layout.block_starts, layout.block_ends, layout.block_m, weights.num_slices, splits,
+        k_per_split, block_k, num_warps, tail,
     )
+    return out
 
 
 def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None,

@@ -1,5 +1,6 @@
 """Expands inside their consumers (``kernels/lora_epilogue.py``): gate_up's in SwiGLU's
-activation (by rows and by blocks), qkv's in RoPE with the KV write (by rows). Each fused kernel
+activation (by rows and by blocks), qkv's in RoPE with the KV write (by rows); o_proj's and
+down's as a float32 delta that the next RMSNorm adds. Each fused kernel
 against float64 and against the separate expand followed by the consumer, on random layouts
 (decode and prefill rows, the neutral slot, rank-0 slices, padding rows of a static view, NaN
 where the shrink leaves ``a`` undefined); then the model with each path forced on, eager and in
@@ -16,6 +17,7 @@ from graph_harness import Harness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernels.rms_norm as norm_module
 import kernels.rope_kv as rope_module
 import kernels.silu_mul as silu_module
 from kernels import (
@@ -203,9 +205,14 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     monkeypatch.setattr(config, "FUSED_EXPAND_MIN_ROWS", 0)
     monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
-    if epilogue == "rows":
+    deltas = []
+    if epilogue == "rows":  # with o_proj's and down's term as a delta in the norm after them
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
+        monkeypatch.setattr(config, "norm_delta", lambda x: True)
+        norm = norm_module._add_rms_norm_op
+        monkeypatch.setattr(norm_module, "_add_rms_norm_op",
+                            lambda *a: deltas.append(a[4] is not None) or norm(*a))
     else:
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
         rope_calls = [1]  # qkv's expand runs separately at every size
@@ -226,3 +233,4 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
     assert rope_calls, "RoPE with the qkv term never ran"
+    assert epilogue == "blocks" or any(deltas), "no norm added a LoRA delta"

@@ -30,13 +30,18 @@ def _randn(*shape, g, dtype):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(rows=st.integers(0, 9), hidden=st.sampled_from([8, 48, 100, 4096 if ON_GPU else 160]),
-       with_residual=st.booleans(), seed=st.integers(0, 2**16))
-def test_rms_norm(dtype, rows, hidden, with_residual, seed):
+       with_residual=st.booleans(), with_delta=st.booleans(), seed=st.integers(0, 2**16))
+def test_rms_norm(dtype, rows, hidden, with_residual, with_delta, seed):
+    """With a LoRA delta (float32, added to x first) and without."""
     g = torch.Generator().manual_seed(seed)
     x, res = _randn(rows, hidden, g=g, dtype=dtype), _randn(rows, hidden, g=g, dtype=dtype)
+    delta = 0.3 * _randn(rows, hidden, g=g, dtype=torch.float32) if with_delta else None
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
-    got = rms_norm(x, w, 1e-5, res if with_residual else None)
-    s64 = x.double() + (res.double() if with_residual else 0)
+    x_in, delta_in = x.clone(), None if delta is None else delta.clone()
+    got = rms_norm(x, w, 1e-5, res if with_residual else None, delta)
+    assert torch.equal(x, x_in) and (delta is None or torch.equal(delta, delta_in))
+    s64 = (x.double() + (0 if delta is None else delta.double())
+           + (res.double() if with_residual else 0))
     want = w.double() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
     out = got[0] if with_residual else got
     assert out.shape == (rows, hidden) and out.dtype == dtype
@@ -46,7 +51,7 @@ def test_rms_norm(dtype, rows, hidden, with_residual, seed):
     norm = RMSNorm(hidden, 1e-5).to(dtype).to(DEVICE)
     norm.weight.data.copy_(w)
     with use_base_backend("torch"):
-        ref = norm(x, res) if with_residual else norm(x)
+        ref = norm(x, res if with_residual else None, delta)
     ref_out = ref[0] if with_residual else ref
     torch.testing.assert_close(out, ref_out, rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -113,6 +118,9 @@ def test_bad_inputs_are_named():
         rms_norm(x, torch.ones(4, device=DEVICE), 1e-5)
     with pytest.raises(ValueError, match="residual must match x"):
         rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, x[:1])
+    for bad in (x.half(), torch.zeros(1, 8, device=DEVICE), torch.zeros(8, 2, device=DEVICE).t()):
+        with pytest.raises(ValueError, match="delta must be float32"):
+            rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, x, bad)
     with pytest.raises(ValueError, match="gate_up must be"):
         silu_mul(torch.randn(2, 7, device=DEVICE))
     cache = torch.zeros(4, 1, 8, device=DEVICE)

@@ -26,7 +26,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by every layer
         self.scale = self.head_dim**-0.5
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv):
+        """``(output, delta or None)``: a LoRA o_proj may leave its term as a float32 delta
+        for the norm after it (``RowLinearWithLoRA.forward_delta``)."""
         t = hidden.shape[0]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
         qkv_proj = self.qkv_proj
@@ -42,4 +44,6 @@ class LlamaAttention(nn.Module):
             out = decode_attention(q, k_cache, v_cache, batch.attn, self.scale)
         else:
             out = extend_attention(q, k_cache, v_cache, batch.attn, batch.positions, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        o_proj, out = self.o_proj, out.reshape(t, self.q_size)
+        return o_proj.forward_delta(out) if hasattr(type(o_proj), "forward_delta") else (
+            o_proj(out), None)

@@ -23,10 +23,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                delta: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``delta``:
+        the previous projection's LoRA term (float32, ``LoRABackend.linear_delta``), added to
+        ``x`` first."""
         if base_backend() == "triton":
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, delta)
+        if delta is not None:
+            x = (x.float() + delta).to(x.dtype)
         if residual is not None:
             x = x + residual
         h = x.float()

@@ -24,19 +24,26 @@ class LlamaMLP(nn.Module):
         """Set by ``lora_runtime.dp.shard.shard_mlp``: this rank holds 1/size of the
         intermediate dimension and runs on the rows gathered from every rank."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch):
+        """``(output, delta or None)``, as ``LlamaAttention.forward``. Under DP down's LoRA
+        term is summed by the reduce-scatter with its base output, so it is never a delta."""
         if self.dp is None:
-            return self._local(x)
+            return self._local(x, delta=True)
         rows = gather_rows(x, batch.gathered.rows_per_rank, self.dp)
-        return reduce_scatter_rows(self._local(rows), self.dp)[: x.shape[0]]
+        out, _ = self._local(rows, delta=False)
+        return reduce_scatter_rows(out, self.dp)[: x.shape[0]], None
 
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
+    def _local(self, x: torch.Tensor, delta: bool):
+        gate_up, down = self.gate_up_proj, self.down_proj
         # A LoRA wrapper may leave its expand to the activation (class lookup: no
         # Module.__getattr__ on the plain nn.Linear path).
         if hasattr(type(gate_up), "forward_deferred"):
-            return self.down_proj(silu_mul(*gate_up.forward_deferred(x)))
-        return self.down_proj(silu_mul(gate_up(x)))
+            h = silu_mul(*gate_up.forward_deferred(x))
+        else:
+            h = silu_mul(gate_up(x))
+        if delta and hasattr(type(down), "forward_delta"):
+            return down.forward_delta(h)
+        return down(h), None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -47,17 +54,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        """``(hidden, residual)`` -> the same pair after this layer. The residual stream is
-        carried unsummed: each norm adds the previous block's output into it (one fused
-        kernel), and the first layer starts it (``residual`` None)."""
+    def forward(self, hidden, residual, batch: ForwardBatch, kv, delta=None):
+        """``(hidden, residual, delta)`` -> the same triple after this layer. The residual
+        stream is carried unsummed: each norm adds the previous block's output (and its LoRA
+        delta, if the block left one) into it in one fused kernel, and the first layer starts
+        it (``residual`` None)."""
         if residual is None:
             residual, x = hidden, self.input_layernorm(hidden)
         else:
-            x, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(x, batch, kv)
-        x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(x, batch), residual
+            x, residual = self.input_layernorm(hidden, residual, delta)
+        hidden, delta = self.self_attn(x, batch, kv)
+        x, residual = self.post_attention_layernorm(hidden, residual, delta)
+        hidden, delta = self.mlp(x, batch)
+        return hidden, residual, delta
 
 
 class LlamaModel(nn.Module):
@@ -71,10 +80,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
+        hidden, residual, delta = self.embed_tokens(batch.input_ids), None, None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, kv)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+            hidden, residual, delta = layer(hidden, residual, batch, kv, delta)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual, delta)[0]
 
 
 class LlamaForCausalLM(nn.Module):

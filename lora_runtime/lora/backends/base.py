@@ -118,6 +118,28 @@ class LoRABackend:
         a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x.device)
         return y, PendingLoRA(a, weights, layout)
 
+    def expand_beside(self, x: torch.Tensor) -> bool:
+        """Whether a projection of ``x``'s rows whose output goes to a norm (o_proj, down)
+        computes its LoRA term beside the base GEMM into a float32 delta that the norm adds
+        (``linear_delta``): only backends whose expand writes a float32 delta."""
+        return False
+
+    def linear_delta(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                     weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
+        """``(base(x), delta)``: shrink and expand run on the side branch into a zeroed
+        float32 ``delta`` (beside the GEMM under a capture), for the next norm to add
+        (``kernels.rms_norm``). The term leaves the GEMM's critical path; rows without an
+        adapter keep a zero delta."""
+        layout = self._layout(rows, "linear")
+
+        def side() -> torch.Tensor:
+            a, delta = self.shrink_with_delta(x, weights, layout)
+            self.expand(a, weights, delta, layout)
+            return delta
+
+        delta, y = run_beside(side, lambda: base(x), x.device)
+        return y, delta
+
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
                       weights: LoRAWeights) -> None:
         layout = self._layout(RowSet.TOKENS, "run_embedding")
@@ -145,6 +167,12 @@ class LoRABackend:
 
     def expand(self, a, weights, y, layout) -> None:
         raise NotImplementedError
+
+    def shrink_with_delta(self, x, weights, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shrink(x), zeroed float32 [rows, out])``."""
+        delta = torch.zeros(x.shape[0], weights.lora_b.shape[1], dtype=torch.float32,
+                            device=x.device)
+        return self.shrink(x, weights, layout), delta
 
     def embedding_shrink(self, token_ids, weights, layout) -> torch.Tensor:
         raise NotImplementedError

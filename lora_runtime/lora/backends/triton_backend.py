@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from kernels import config, lora_embedding_shrink, lora_expand, lora_shrink, lora_shrink_expand
+from kernels import (
+    config,
+    lora_embedding_shrink,
+    lora_expand,
+    lora_shrink,
+    lora_shrink_expand,
+    lora_shrink_with_delta,
+)
 from lora_runtime.lora.backends.base import LoRABackend
 
 
@@ -12,6 +19,9 @@ class TritonBackend(LoRABackend):
     def fuses_expand(self, x, consumer):
         return config.expand_in_consumer(x, consumer)
 
+    def expand_beside(self, x):
+        return config.norm_delta(x)
+
     def one_launch(self, x):
         return config.one_launch_lora(x)
 
@@ -20,6 +30,9 @@ class TritonBackend(LoRABackend):
 
     def shrink(self, x, weights, layout):
         return lora_shrink(x, weights, layout)
+
+    def shrink_with_delta(self, x, weights, layout):
+        return lora_shrink_with_delta(x, weights, layout)
 
     def expand(self, a, weights, y, layout):
         lora_expand(a, weights, y, layout)
