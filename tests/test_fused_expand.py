@@ -116,10 +116,14 @@ def _rope_f64(x, pos, cos, sin):
     return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1)
 
 
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
-def test_rope_with_the_qkv_term_matches_expand_then_rope(dtype, data, seed):
+def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, dtype, data,
+                                                         seed):
+    """By rows, and (``blocks``) above the threshold: the separate expand into a copy."""
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
     g = torch.Generator().manual_seed(seed)
     kv_heads, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 3]))
     head_dim = data.draw(st.sampled_from([8, 16] + ([128] if ON_GPU else [])))
