@@ -133,17 +133,23 @@ def expand_in_consumer(x: torch.Tensor, consumer: str) -> bool:
     return row_epilogue(rows, consumer) or (consumer == "silu_mul" and fused_expand(rows))
 
 
-NORM_DELTA_MAX_ROWS = int(os.environ.get("MULTILORA_NORM_DELTA_MAX_ROWS", "1"))
-"""Inside a CUDA graph capture, o_proj and down forwards of at most this many rows compute
-their LoRA term beside the base GEMM into a float32 delta that the next RMSNorm adds (read at
-import; -1: never), so their expand leaves the critical path after the GEMM. H200, LoRA decode
-replay minus base (us), separate expand / delta: full depth 8 adapters bs 1 446 / 297, bs 4
-491 / 588, bs 16 685 / 762; 4 layers 16 adapters bs 2 53 / 57, bs 8 85 / 98. From two rows on
-the side branch (shrink, then expand) outlasts the GEMM beside it."""
+DELTA_MAX_ROWS = {
+    "norm": int(os.environ.get("MULTILORA_NORM_DELTA_MAX_ROWS", "1")),
+    "rope": int(os.environ.get("MULTILORA_ROPE_DELTA_MAX_ROWS", "1")),
+    "silu_mul": int(os.environ.get("MULTILORA_SILU_DELTA_MAX_ROWS", "1")),
+}
+"""Inside a CUDA graph capture, forwards of at most this many rows compute their LoRA term
+beside the base GEMM into a float32 delta that the next kernel adds (read at import; -1:
+never): the residual add + RMSNorm after o_proj and down ("norm"), RoPE with the KV write
+after qkv ("rope"), SwiGLU's activation after gate_up ("silu_mul"). The expand then leaves
+the critical path after the GEMM. H200, o_proj and down, LoRA decode replay minus base (us),
+separate expand / delta: full depth 8 adapters bs 1 446 / 297, bs 4 491 / 588, bs 16 685 /
+762; 4 layers 16 adapters bs 2 53 / 57, bs 8 85 / 98. From two rows the side branch (shrink,
+then expand) outlasts the GEMM beside it."""
 
 
-def norm_delta(x: torch.Tensor) -> bool:
-    return (x.shape[0] <= NORM_DELTA_MAX_ROWS and x.device.type == "cuda"
+def delta_beside(x: torch.Tensor, consumer: str) -> bool:
+    return (x.shape[0] <= DELTA_MAX_ROWS[consumer] and x.device.type == "cuda"
             and torch.cuda.is_current_stream_capturing())
 
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
+from kernels.checks import check
 from kernels.expand import check_expand_args, check_shrunk, lora_expand
 from kernels.segments import SegmentLayout
 from kernels.weights import LoRAWeights
@@ -78,6 +79,27 @@ class PendingLoRA:
         return (a, b, self.layout.token_slots, w.ranks, w.scalings, w.max_rank, a.stride(0),
                 a.stride(1), b.stride(0), b.stride(1), b.stride(2), w.num_slices,
                 config.rank_block(w.max_rank))
+
+
+@dataclass(frozen=True)
+class LoRADelta:
+    """A projection's LoRA term already expanded beside its GEMM
+    (``LoRABackend.linear_delta``): float32 ``[rows, out]``, zero in rows without an adapter.
+    A consumer kernel adds it elementwise to what it loads (``HAS_DELTA``), rounded as the
+    expand rounds it; ``apply`` returns ``y`` with it added."""
+
+    delta: torch.Tensor
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        return (y.float() + self.delta).to(y.dtype)
+
+    def check(self, y: torch.Tensor, what: str) -> None:
+        d = self.delta
+        check(d.dtype == torch.float32 and d.shape == y.shape and d.stride(-1) == 1
+              and d.device == y.device,
+              lambda: f"{what}: the LoRA delta must be float32 {tuple(y.shape)} with "
+              f"contiguous rows on {y.device} (LoRABackend.linear_delta), got {d.dtype} "
+              f"{tuple(d.shape)} on {d.device}")
 
 
 @triton.jit

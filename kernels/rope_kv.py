@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import PendingLoRA, lora_row_delta
+from kernels.lora_epilogue import LoRADelta, PendingLoRA, lora_row_delta
 from kernels.traced_op import traced_op
 
 
@@ -34,24 +34,28 @@ def _rotate_halves(lo, hi, cos, sin):
 
 
 @triton.jit
-def _rotate(x_ptr, row_off, cos, sin, heads, half,
-            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotated halves (lo, hi) of ``heads`` head vectors starting at ``x_ptr + row_off``."""
+def _load_heads(x_ptr, row_off, d_ptr, d_off, heads, half, HAS_DELTA: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Halves (lo, hi) of ``heads`` head vectors starting at ``x_ptr + row_off``; with
+    ``HAS_DELTA`` the LoRA delta at ``d_ptr + d_off`` added, rounded as the expand rounds it."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
-    ptr = x_ptr + row_off + offs_h[:, None] * (2 * half) + offs_d[None, :]
-    lo = tl.load(ptr, mask=mask, other=0.0)
-    hi = tl.load(ptr + half, mask=mask, other=0.0)
-    new_lo, new_hi = _rotate_halves(lo, hi, cos, sin)
-    return new_lo, new_hi, offs_h, offs_d, mask
+    cols = offs_h[:, None] * (2 * half) + offs_d[None, :]
+    lo = tl.load(x_ptr + row_off + cols, mask=mask, other=0.0)
+    hi = tl.load(x_ptr + row_off + cols + half, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = d_ptr + d_off + cols
+        lo = (lo.to(tl.float32) + tl.load(d, mask=mask, other=0.0)).to(lo.dtype)
+        hi = (hi.to(tl.float32) + tl.load(d + half, mask=mask, other=0.0)).to(lo.dtype)
+    return lo, hi, offs_h, offs_d, mask
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr,
+def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr, d_ptr,
                     heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
-                    stride_tab, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr):
+                    stride_tab, stride_d, HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -62,21 +66,26 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v
     sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
     cos = cos.to(dt).to(tl.float32)[None, :]
     sin = sin.to(dt).to(tl.float32)[None, :]
-    row = t * stride_qkv
-    lo, hi, oh, od, m = _rotate(qkv_ptr, row, cos, sin, heads, half, BLOCK_H, BLOCK_HALF)
+    row, d_row = t * stride_qkv, t * stride_d
+    lo, hi, oh, od, m = _load_heads(qkv_ptr, row, d_ptr, d_row, heads, half, HAS_DELTA,
+                                    BLOCK_H, BLOCK_HALF)
+    lo, hi = _rotate_halves(lo, hi, cos, sin)
     out = q_ptr + t * stride_q + oh[:, None] * (2 * half) + od[None, :]
     tl.store(out, lo, mask=m)
     tl.store(out + half, hi, mask=m)
-    k_row = row + heads * 2 * half
-    lo, hi, oh, od, m = _rotate(qkv_ptr, k_row, cos, sin, kv_heads, half, BLOCK_KV, BLOCK_HALF)
+    k_col = heads * 2 * half
+    lo, hi, oh, od, m = _load_heads(qkv_ptr, row + k_col, d_ptr, d_row + k_col, kv_heads, half,
+                                    HAS_DELTA, BLOCK_KV, BLOCK_HALF)
+    lo, hi = _rotate_halves(lo, hi, cos, sin)
     out = k_ptr + slot * stride_k + oh[:, None] * (2 * half) + od[None, :]
     tl.store(out, lo, mask=m)
     tl.store(out + half, hi, mask=m)
-    v_row = k_row + kv_heads * 2 * half
-    src = qkv_ptr + v_row + oh[:, None] * (2 * half) + od[None, :]
+    v_col = k_col + kv_heads * 2 * half
+    lo, hi, oh, od, m = _load_heads(qkv_ptr, row + v_col, d_ptr, d_row + v_col, kv_heads, half,
+                                    HAS_DELTA, BLOCK_KV, BLOCK_HALF)
     dst = v_ptr + slot * stride_v + oh[:, None] * (2 * half) + od[None, :]
-    tl.store(dst, tl.load(src, mask=m), mask=m)
-    tl.store(dst + half, tl.load(src + half, mask=m), mask=m)
+    tl.store(dst, lo, mask=m)
+    tl.store(dst + half, hi, mask=m)
 
 
 @triton.jit
@@ -146,11 +155,11 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
 def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, heads: int,
-                      lora: PendingLoRA | None = None) -> torch.Tensor:
+                      lora: PendingLoRA | LoRADelta | None = None) -> torch.Tensor:
     """``qkv [T, (heads + 2 * kv_heads) * head_dim]`` -> rotated ``q [T, heads, head_dim]``;
     rotated k and v written to ``k_cache``/``v_cache`` (``[slots, kv_heads, head_dim]``) at
-    the slots ``cache_loc [T]``, token by token. ``lora``: the qkv projection's pending LoRA
-    term (three slices: q, k, v), added first."""
+    the slots ``cache_loc [T]``, token by token. ``lora``: the qkv projection's LoRA term
+    (three slices: q, k, v), pending or as a delta, added first."""
     check_dtype("qkv", qkv)
     slots, kv_heads, head_dim = k_cache.shape
     t = qkv.shape[0]
@@ -172,8 +181,11 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == head_dim
           and cos.stride(1) == 1 and sin.stride() == cos.stride(),
           lambda: f"cos/sin tables must be [positions, {head_dim}] with contiguous rows")
-    if lora is None:
-        return _rope_kv_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads)
+    if lora is None or isinstance(lora, LoRADelta):
+        if lora is not None:
+            lora.check(qkv, "rope_and_cache_kv")
+        return _rope_kv_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads,
+                           None if lora is None else lora.delta)
     lora.check(qkv, "rope_and_cache_kv")
     widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     check(lora.weights.slice_widths == widths,
@@ -193,20 +205,23 @@ def _q(qkv: torch.Tensor, k_cache: torch.Tensor, heads: int) -> torch.Tensor:
 @traced_op("multilora::rope_and_cache_kv", mutates_args=("k_cache", "v_cache"))
 def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+                v_cache: torch.Tensor, heads: int,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
     q = _q(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
+        d = delta if delta is not None else qkv
         _rope_kv_kernel[(t,)](
-            qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
+            qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, d, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
-            BLOCK_H=config.next_pow2(heads), BLOCK_KV=config.next_pow2(kv_heads),
-            BLOCK_HALF=config.next_pow2(half), num_warps=4)
+            d.stride(0), HAS_DELTA=delta is not None, BLOCK_H=config.next_pow2(heads),
+            BLOCK_KV=config.next_pow2(kv_heads), BLOCK_HALF=config.next_pow2(half),
+            num_warps=4)
     return q
 
 
 @_rope_kv_op.register_fake
-def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads):
+def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads, delta=None):
     return _q(qkv, k_cache, heads)
 
 

@@ -11,7 +11,14 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import FUSE_BLOCK_M, PendingLoRA, lora_delta, lora_row_delta, lora_rows
+from kernels.lora_epilogue import (
+    FUSE_BLOCK_M,
+    LoRADelta,
+    PendingLoRA,
+    lora_delta,
+    lora_row_delta,
+    lora_rows,
+)
 from kernels.traced_op import traced_op
 
 BLOCK = 1024
@@ -19,12 +26,18 @@ LORA_BLOCK_N = 128
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, inter, stride_x, stride_d, stride_o,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # gate_up's LoRA term, computed beside its GEMM (LoRADelta)
+        d = d_ptr + row * stride_d + offs
+        gate = (gate.to(tl.float32) + tl.load(d, mask=mask, other=0.0)).to(gate.dtype)
+        up = (up.to(tl.float32) + tl.load(d + inter, mask=mask, other=0.0)).to(gate.dtype)
+    up = up.to(tl.float32)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
@@ -82,15 +95,20 @@ def _silu_mul_lora_rows_kernel(
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | LoRADelta | None = None
+             ) -> torch.Tensor:
     """``gate_up [rows, 2 * inter]`` (gate first, then up) -> ``[rows, inter]``. ``lora``: the
-    gate_up projection's pending LoRA term (two slices: gate, up), added first."""
+    gate_up projection's LoRA term (two slices: gate, up), pending or as a delta, added
+    first."""
     check_dtype("gate_up", gate_up)
     check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(-1) == 1,
           lambda: f"gate_up must be [rows, 2 * intermediate] with contiguous rows, got shape "
           f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
     if lora is None:
         return _silu_mul_op(gate_up)
+    if isinstance(lora, LoRADelta):
+        lora.check(gate_up, "silu_mul")
+        return _silu_mul_op(gate_up, lora.delta)
     lora.check(gate_up, "silu_mul")
     w = lora.weights
     check(w.slice_widths == (gate_up.shape[1] // 2,) * 2,
@@ -106,18 +124,20 @@ def _out(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @traced_op("multilora::silu_mul", mutates_args=())
-def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+def _silu_mul_op(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     out = _out(gate_up)
     inter = out.shape[1]
     if gate_up.shape[0]:
         block = min(BLOCK, config.next_pow2(inter))
+        d = delta if delta is not None else gate_up
         _silu_mul_kernel[(gate_up.shape[0], config.cdiv(inter, block))](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            gate_up, d, out, inter, gate_up.stride(0), d.stride(0), out.stride(0),
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4)
     return out
 
 
 @_silu_mul_op.register_fake
-def _(gate_up):
+def _(gate_up, delta=None):
     return _out(gate_up)
 
 

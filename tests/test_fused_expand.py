@@ -1,10 +1,10 @@
 """Expands inside their consumers (``kernels/lora_epilogue.py``): gate_up's in SwiGLU's
-activation (by rows and by blocks), qkv's in RoPE with the KV write (by rows); o_proj's and
-down's as a float32 delta that the next RMSNorm adds. Each fused kernel
-against float64 and against the separate expand followed by the consumer, on random layouts
-(decode and prefill rows, the neutral slot, rank-0 slices, padding rows of a static view, NaN
-where the shrink leaves ``a`` undefined); then the model with each path forced on, eager and in
-graph replays, against the merged-model oracle."""
+activation (by rows and by blocks), qkv's in RoPE with the KV write (by rows), or each as a
+float32 delta expanded beforehand; o_proj's and down's as a delta that the next RMSNorm adds.
+Each fused kernel against float64 and against the separate expand followed by the consumer,
+on random layouts (decode and prefill rows, the neutral slot, rank-0 slices, padding rows of a
+static view, NaN where the shrink leaves ``a`` undefined); then the model with each path
+forced on, eager and in graph replays, against the merged-model oracle."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from kernels import (
     lora_shrink,
     plan_segments,
 )
-from kernels.lora_epilogue import PendingLoRA
+from kernels.expand import lora_expand
+from kernels.lora_epilogue import LoRADelta, PendingLoRA
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.silu_mul import silu_mul
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
@@ -36,8 +37,20 @@ from lora_runtime.model.backend import use_base_backend
 
 EXAMPLES = 25 if ON_GPU else 8
 EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul"), 10**9),
-             "blocks": dict.fromkeys(("rope", "silu_mul"), -1)}
-"""``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape."""
+             "blocks": dict.fromkeys(("rope", "silu_mul"), -1),
+             "delta": dict.fromkeys(("rope", "silu_mul"), 10**9)}
+"""``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape; "delta": the term expanded
+beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwise."""
+
+
+def _term(epilogue: str, lora: PendingLoRA):
+    """The consumer's ``lora`` argument: the pending term, or its delta as
+    ``LoRABackend.linear_delta`` builds it (the expand into zeros)."""
+    if epilogue != "delta":
+        return lora
+    delta = torch.zeros(lora.a.shape[0], lora.weights.lora_b.shape[1], device=DEVICE)
+    lora_expand(lora.a, lora.weights, delta, lora.layout)
+    return LoRADelta(delta)
 
 
 def _weights(g, slots: int, k: int, widths: list[int], max_rank: int, dtype) -> LoRAWeights:
@@ -99,7 +112,7 @@ def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dt
     inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
     x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype)
     y = torch.randn(x.shape[0], 2 * inter, generator=g).to(dtype).to(DEVICE)
-    got = silu_mul(y, lora)
+    got = silu_mul(y, _term(epilogue, lora))
     assert got.shape == (x.shape[0], inter) and torch.isfinite(got).all()
     want = silu_mul(lora.apply(y.clone()))
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
@@ -122,7 +135,8 @@ def _rope_f64(x, pos, cos, sin):
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, dtype, data,
                                                          seed):
-    """By rows, and (``blocks``) above the threshold: the separate expand into a copy."""
+    """By rows, as a delta, and (``blocks``) above the threshold: the separate expand into a
+    copy."""
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
     g = torch.Generator().manual_seed(seed)
     kv_heads, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 3]))
@@ -145,7 +159,7 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
 
     (k_got, v_got), (k_want, v_want) = caches(), caches()
     qkv_in = qkv.clone()
-    q = rope_and_cache_kv(qkv, pos, cos, sin, loc, k_got, v_got, heads, lora)
+    q = rope_and_cache_kv(qkv, pos, cos, sin, loc, k_got, v_got, heads, _term(epilogue, lora))
     assert torch.equal(qkv, qkv_in), "qkv is an input: the term is added to a copy or in registers"
     q_want = rope_and_cache_kv(lora.apply(qkv.clone()), pos, cos, sin, loc, k_want, v_want,
                                heads)
@@ -193,9 +207,16 @@ def test_fused_silu_mul_refuses_a_term_of_another_projection():
         silu_mul(torch.randn(3, 24, device=DEVICE), PendingLoRA(torch.zeros(3, 32), w2, layout))
 
 
-def _count_calls(monkeypatch, module, name: str) -> list:
+def _count_calls(monkeypatch, module, name: str, delta_at: int | None = None) -> list:
+    """Calls of ``module.name`` (with ``delta_at``: those given a delta at that position)."""
     calls, op = [], getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or op(*a))
+
+    def counted(*a):
+        if delta_at is None or (len(a) > delta_at and a[delta_at] is not None):
+            calls.append(1)
+        return op(*a)
+
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -209,14 +230,14 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     monkeypatch.setattr(config, "FUSED_EXPAND_MIN_ROWS", 0)
     monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
-    deltas = []
-    if epilogue == "rows":  # with o_proj's and down's term as a delta in the norm after them
+    if epilogue == "delta":  # every projection's term as a delta, added by the next kernel
+        monkeypatch.setattr(config, "delta_beside", lambda x, consumer: True)
+        calls = _count_calls(monkeypatch, silu_module, "_silu_mul_op", delta_at=1)
+        rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_op", delta_at=8)
+        norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_op", delta_at=4)
+    elif epilogue == "rows":
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
-        monkeypatch.setattr(config, "norm_delta", lambda x: True)
-        norm = norm_module._add_rms_norm_op
-        monkeypatch.setattr(norm_module, "_add_rms_norm_op",
-                            lambda *a: deltas.append(a[4] is not None) or norm(*a))
     else:
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
         rope_calls = [1]  # qkv's expand runs separately at every size
@@ -237,4 +258,4 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
     assert rope_calls, "RoPE with the qkv term never ran"
-    assert epilogue == "blocks" or any(deltas), "no norm added a LoRA delta"
+    assert epilogue != "delta" or norm_calls, "no norm added a LoRA delta"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import LoRAWeights
+from kernels.lora_epilogue import LoRADelta
 from lora_runtime.lora.backends import LoRABackend, RowSet
 
 
@@ -60,7 +61,7 @@ class RowLinearWithLoRA(LinearWithLoRA):
         """``(output, delta or None)``: where the backend computes the LoRA term beside the
         GEMM (``backend.expand_beside``), it is returned as a float32 delta for the next norm
         to add; otherwise it is already in the output."""
-        if self.lora_active and self.backend.expand_beside(x):
+        if self.lora_active and self.backend.expand_beside(x, "norm"):
             return self.backend.linear_delta(self._modules["base"], x.contiguous(), self.lora,
                                              self.rows)
         return self(x), None
@@ -81,12 +82,17 @@ class DeferredExpandLinear(LinearWithLoRA):
     consumer: str
 
     def forward_deferred(self, x: torch.Tensor):
-        """``(output, PendingLoRA or None)``: where the backend leaves the expand to the
-        consumer (``backend.fuses_expand``), the LoRA term is returned pending for it to add;
-        otherwise it is already in the output."""
-        if self.lora_active and self.backend.fuses_expand(x, self.consumer):
-            return self.backend.linear_deferred(self._modules["base"], x.contiguous(),
-                                                self.lora, self.rows)
+        """``(output, PendingLoRA, LoRADelta or None)``: where the backend computes the term
+        beside the GEMM (``backend.expand_beside``) it comes as a delta, where it leaves the
+        expand to the consumer (``backend.fuses_expand``) as a pending term, for the consumer
+        to add; otherwise it is already in the output."""
+        if self.lora_active:
+            base, backend = self._modules["base"], self.backend
+            if backend.expand_beside(x, self.consumer):
+                y, delta = backend.linear_delta(base, x.contiguous(), self.lora, self.rows)
+                return y, LoRADelta(delta)
+            if backend.fuses_expand(x, self.consumer):
+                return backend.linear_deferred(base, x.contiguous(), self.lora, self.rows)
         return self(x), None
 
 

@@ -118,18 +118,19 @@ class LoRABackend:
         a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x.device)
         return y, PendingLoRA(a, weights, layout)
 
-    def expand_beside(self, x: torch.Tensor) -> bool:
-        """Whether a projection of ``x``'s rows whose output goes to a norm (o_proj, down)
-        computes its LoRA term beside the base GEMM into a float32 delta that the norm adds
-        (``linear_delta``): only backends whose expand writes a float32 delta."""
+    def expand_beside(self, x: torch.Tensor, consumer: str) -> bool:
+        """Whether a projection of ``x``'s rows computes its LoRA term beside the base GEMM
+        into a float32 delta that ``consumer`` adds (``linear_delta``; "norm" for o_proj and
+        down, "rope" for qkv, "silu_mul" for gate_up): only backends whose expand writes a
+        float32 delta."""
         return False
 
     def linear_delta(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                      weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
         """``(base(x), delta)``: shrink and expand run on the side branch into a zeroed
         float32 ``delta`` (beside the GEMM under a capture), for the next norm to add
-        (``kernels.rms_norm``). The term leaves the GEMM's critical path; rows without an
-        adapter keep a zero delta."""
+        (``kernels.rms_norm``) or consumer kernel (``kernels.lora_epilogue.LoRADelta``). The
+        term leaves the GEMM's critical path; rows without an adapter keep a zero delta."""
         layout = self._layout(rows, "linear")
 
         def side() -> torch.Tensor:

@@ -19,8 +19,8 @@ class TritonBackend(LoRABackend):
     def fuses_expand(self, x, consumer):
         return config.expand_in_consumer(x, consumer)
 
-    def expand_beside(self, x):
-        return config.norm_delta(x)
+    def expand_beside(self, x, consumer):
+        return config.delta_beside(x, consumer)
 
     def one_launch(self, x):
         return config.one_launch_lora(x)
