@@ -10,9 +10,9 @@ share of their GEMMs): beside 16.7 / 24.7 / 22.9 / 69.1% at T = 1 / 16 / 64 / 25
 25.4 / 37.9 / 34.5 / 73.9%. A third schedule, expanding beside the GEMM into a float32
 delta added after the join, lost to both at every decode size (22.0 / 39.8 / 40.9 /
 117.9%): the side branch then no longer fits beside the GEMM, and the add costs what the
-expand did. Inside the model that schedule returned for one-row forwards of o_proj and down,
-with the add folded into the next RMSNorm (``LoRABackend.linear_delta``,
-``config.NORM_DELTA_MAX_ROWS``).
+expand did. Inside the model that schedule returned for forwards of one or two rows, with
+the add folded into the kernel after the projection (``LoRABackend.linear_delta``,
+``config.DELTA_MAX_ROWS``).
 """
 
 from __future__ import annotations
