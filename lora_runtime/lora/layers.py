@@ -64,7 +64,7 @@ class RowLinearWithLoRA(LinearWithLoRA):
         if self.lora_active and self.backend.expand_beside(x, "norm"):
             return self.backend.linear_delta(self._modules["base"], x.contiguous(), self.lora,
                                              self.rows)
-        return self(x), None
+        return self.forward(x), None  # not self(x): Module.__call__ costs host time
 
 
 class MLPRowLinearWithLoRA(RowLinearWithLoRA):
@@ -93,7 +93,7 @@ class DeferredExpandLinear(LinearWithLoRA):
                 return y, LoRADelta(delta)
             if backend.fuses_expand(x, self.consumer):
                 return backend.linear_deferred(base, x.contiguous(), self.lora, self.rows)
-        return self(x), None
+        return self.forward(x), None  # not self(x): Module.__call__ costs host time
 
 
 class QKVLinearWithLoRA(DeferredExpandLinear):
