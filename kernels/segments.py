@@ -36,8 +36,11 @@ class SegmentPlan:
 
 
 def max_blocks(num_rows: int, block_m: int, num_segments: int) -> int:
-    """Upper bound on blocks for ``num_rows`` rows split into at most ``num_segments`` groups."""
-    return -(-num_rows // block_m) + num_segments
+    """Upper bound on blocks for ``num_rows`` rows split into at most ``num_segments`` groups:
+    a block holds at least one row, so never more than the rows. (Without that cap a decode
+    graph of one row with 64 slots launched every LoRA kernel over 66 blocks, 65 of them
+    empty.)"""
+    return min(num_rows, -(-num_rows // block_m) + num_segments)
 
 
 def plan_segments(

@@ -51,6 +51,9 @@ def layouts(draw, num_slots: int, device, block_ms=(16, 32)):
             plan.num_rows + pad + 3, num_slots + 1 + 3, block_m, neutral, device
         )
         rows = plan.num_rows + pad
+        # A view holds at most one block per row (real plans never need more); the padding
+        # blocks it adds are empty ones.
+        plan = replace(plan, blocks=plan.blocks[: static.blocks_for(rows)])
         static.write(plan, rows)
         return static.view(rows), plan.token_slots + [neutral] * pad
     return SegmentLayout.from_plan(plan, device), plan.token_slots

@@ -109,3 +109,35 @@ def test_holds_names_the_spec_and_a_view_it_fits():
     assert not layout.holds(SegmentSpec((1,) * 9, None, BLOCK_M, NEUTRAL), MAX_ROWS)
     layout.write(spec.plan(), MAX_ROWS)
     assert not layout.holds(spec, MAX_ROWS), "a write without its spec forgets the held one"
+
+
+@settings(max_examples=80)
+@given(data=st.data())
+def test_a_view_has_no_more_blocks_than_rows_and_fits_every_plan(data):
+    """The grid of every LoRA kernel is the view's block count: never more blocks than rows
+    (a one-row decode graph launches one block however many slots the pool has), and every
+    plan of that many rows fits (written through the view, read back as planned)."""
+    slots = data.draw(st.integers(1, 70))
+    block_m = data.draw(st.sampled_from([1, 4, 16]))
+    max_rows = data.draw(st.integers(1, 40))
+    layout = StaticSegmentLayout(max_rows, slots + 1, block_m, slots, "cpu")
+    rows = data.draw(st.integers(0, max_rows))
+    lens = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=1, max_size=8)))
+    n = rows if lens is None else len(lens)
+    if lens is not None and sum(lens) > rows:
+        lens = None
+        n = rows
+    request_slots = data.draw(st.lists(st.integers(0, slots), min_size=n, max_size=n))
+    spec = SegmentSpec(tuple(request_slots), None if lens is None else tuple(lens), block_m,
+                       slots)
+    plan = spec.plan()
+    view = layout.view(rows)
+    assert view.block_slots.shape[0] <= rows
+    assert layout.blocks_for(1) == 1
+    assert len(plan.blocks) <= view.block_slots.shape[0]
+    layout.write(plan, rows, spec)
+    used = len(plan.blocks)
+    got = np.stack([view.block_slots.numpy(), view.block_starts.numpy(),
+                    view.block_ends.numpy()])[:, :used].T
+    assert [tuple(b) for b in got] == [tuple(b) for b in plan.blocks]
+    assert (view.block_starts.numpy()[used:] == view.block_ends.numpy()[used:]).all()
