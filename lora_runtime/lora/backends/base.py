@@ -170,10 +170,9 @@ class LoRABackend:
         raise NotImplementedError
 
     def shrink_with_delta(self, x, weights, layout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(shrink(x), zeroed float32 [rows, out])``."""
-        delta = torch.zeros(x.shape[0], weights.lora_b.shape[1], dtype=torch.float32,
-                            device=x.device)
-        return self.shrink(x, weights, layout), delta
+        """``(shrink(x), zeroed float32 [rows, out])``: backends whose ``expand_beside`` can
+        be true (one memset for both: every node on the side branch delays the join)."""
+        raise NotImplementedError
 
     def embedding_shrink(self, token_ids, weights, layout) -> torch.Tensor:
         raise NotImplementedError
