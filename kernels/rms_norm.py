@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.lora_epilogue import LoRADelta
 from kernels.traced_op import traced_op
 
 
@@ -57,11 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
           f"expected ({x.shape[1]},) (the hidden size of x)")
     if delta is not None:
-        check(delta.shape == x.shape and delta.dtype == torch.float32 and delta.stride(-1) == 1
-              and delta.device == x.device,
-              lambda: f"delta must be float32 {tuple(x.shape)} with contiguous rows on "
-              f"{x.device} (LoRABackend.linear_delta), got {delta.dtype} {tuple(delta.shape)} "
-              f"on {delta.device}")
+        LoRADelta(delta).check(x, "rms_norm")
     if residual is None:
         return _rms_norm_op(x, weight, eps, delta)
     check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,

@@ -142,12 +142,11 @@ def _shrink(x, weights, layout, tail, split_k, block_k, num_warps) -> torch.Tens
     block_k, splits, k_per_split, num_warps = _launch_shape(
         x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
         layout.block_m, x.device, split_k, block_k, num_warps)
-    out = _shrink_op(
+    return _shrink_op(
         x, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,
         layout.block_starts, layout.block_ends, layout.block_m, weights.num_slices, splits,
         k_per_split, block_k, num_warps, tail,
     )
-    return out
 
 
 def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None,

@@ -12,6 +12,7 @@ from float64_reference import TOL, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels.lora_epilogue import LoRADelta
 from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.silu_mul import silu_mul
@@ -51,7 +52,7 @@ def test_rms_norm(dtype, rows, hidden, with_residual, with_delta, seed):
     norm = RMSNorm(hidden, 1e-5).to(dtype).to(DEVICE)
     norm.weight.data.copy_(w)
     with use_base_backend("torch"):
-        ref = norm(x, res if with_residual else None, delta)
+        ref = norm(x, res if with_residual else None, None if delta is None else LoRADelta(delta))
     ref_out = ref[0] if with_residual else ref
     torch.testing.assert_close(out, ref_out, rtol=TOL[dtype], atol=TOL[dtype])
 

@@ -58,12 +58,13 @@ class RowLinearWithLoRA(LinearWithLoRA):
     """o_proj. Its output goes to the residual add + RMSNorm, which may add its LoRA term."""
 
     def forward_delta(self, x: torch.Tensor):
-        """``(output, delta or None)``: where the backend computes the LoRA term beside the
-        GEMM (``backend.expand_beside``), it is returned as a float32 delta for the next norm
-        to add; otherwise it is already in the output."""
+        """``(output, LoRADelta or None)``: where the backend computes the LoRA term beside
+        the GEMM (``backend.expand_beside``), it is returned as a delta for the next norm to
+        add; otherwise it is already in the output."""
         if self.lora_active and self.backend.expand_beside(x, "norm"):
-            return self.backend.linear_delta(self._modules["base"], x.contiguous(), self.lora,
-                                             self.rows)
+            y, delta = self.backend.linear_delta(self._modules["base"], x.contiguous(),
+                                                 self.lora, self.rows)
+            return y, LoRADelta(delta)
         return self.forward(x), None  # not self(x): Module.__call__ costs host time
 
 

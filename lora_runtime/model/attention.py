@@ -27,8 +27,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv):
-        """``(output, delta or None)``: a LoRA o_proj may leave its term as a float32 delta
-        for the norm after it (``RowLinearWithLoRA.forward_delta``)."""
+        """``(output, LoRADelta or None)``: a LoRA o_proj may leave its term as a delta for
+        the norm after it (``RowLinearWithLoRA.forward_delta``)."""
         t = hidden.shape[0]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
         qkv_proj = self.qkv_proj

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.lora_epilogue import LoRADelta
 from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.silu_mul import silu_mul as silu_mul_triton
@@ -24,14 +25,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                delta: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``delta``:
-        the previous projection's LoRA term (float32, ``LoRABackend.linear_delta``), added to
-        ``x`` first."""
+                lora: LoRADelta | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``lora``:
+        the previous projection's LoRA term as a delta (``LoRABackend.linear_delta``), added
+        to ``x`` first."""
         if base_backend() == "triton":
-            return rms_norm(x, self.weight, self.eps, residual, delta)
-        if delta is not None:
-            x = (x.float() + delta).to(x.dtype)
+            return rms_norm(x, self.weight, self.eps, residual,
+                            None if lora is None else lora.delta)
+        if lora is not None:
+            x = lora.apply(x)
         if residual is not None:
             x = x + residual
         h = x.float()

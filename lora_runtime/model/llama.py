@@ -25,7 +25,7 @@ class LlamaMLP(nn.Module):
         intermediate dimension and runs on the rows gathered from every rank."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch):
-        """``(output, delta or None)``, as ``LlamaAttention.forward``. Under DP down's LoRA
+        """``(output, LoRADelta or None)``, as ``LlamaAttention.forward``. Under DP down's LoRA
         term is summed by the reduce-scatter with its base output, so it is never a delta."""
         if self.dp is None:
             return self._local(x, delta=True)
