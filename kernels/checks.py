@@ -6,6 +6,7 @@ import torch
 
 from kernels.config import interpreted
 from kernels.segments import SegmentLayout
+from kernels.weights import LoRAWeights
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -49,6 +50,17 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
             f"{t.device}",
         )
     layout.checked_on = device
+
+
+def check_weight_tables(weights: LoRAWeights, num_slices: int, device: torch.device) -> None:
+    """``check_tables`` of ``weights``' ranks and scalings, skipped once they passed on
+    ``device`` (an eager LoRA launch's checks cost as much host time as its arguments)."""
+    seen = weights.tables_checked
+    if (seen is not None and seen[0] == device and seen[1] is weights.ranks
+            and seen[2] is weights.scalings):
+        return
+    check_tables(weights.ranks, weights.scalings, weights.num_slots, num_slices, device)
+    weights.tables_checked = (device, weights.ranks, weights.scalings)
 
 
 def check_tables(weights_ranks: torch.Tensor, scalings: torch.Tensor | None, num_slots: int,

@@ -21,7 +21,9 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+@functools.cache
 def interpreted() -> bool:
+    """Read once: Triton picks the interpreter when a kernel is decorated, at import."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

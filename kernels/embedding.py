@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.block_rows import load_block
-from kernels.checks import check, check_layout, check_tables
+from kernels.checks import check, check_layout, check_weight_tables
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -76,7 +76,7 @@ def lora_embedding_shrink(
           lambda: f"token_ids must be contiguous int32/int64, got {token_ids.dtype}")
     check(weights.lora_a.device == token_ids.device,
           lambda: f"lora_a is on {weights.lora_a.device} but token_ids is on {token_ids.device}")
-    check_tables(weights.ranks, None, weights.num_slots, 1, token_ids.device)
+    check_weight_tables(weights, 1, token_ids.device)
     return _embedding_op(
         token_ids, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,
         layout.block_starts, layout.block_ends, layout.block_m,

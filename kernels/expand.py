@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.block_rows import load_block
-from kernels.checks import check, check_dtype, check_layout, check_tables
+from kernels.checks import check, check_dtype, check_layout, check_weight_tables
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -189,7 +189,7 @@ def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayo
     check(b.device == y.device, lambda: f"lora_b is on {b.device} but y is on {y.device}")
     check(b.shape[2] == weights.max_rank,
           lambda: f"lora_b must be [slots, out, max_rank={weights.max_rank}], got {tuple(b.shape)}")
-    check_tables(weights.ranks, weights.scalings, weights.num_slots, weights.num_slices, y.device)
+    check_weight_tables(weights, weights.num_slices, y.device)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.block_rows import load_block
-from kernels.checks import check, check_dtype, check_layout, check_tables
+from kernels.checks import check, check_dtype, check_layout, check_weight_tables
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -164,7 +164,7 @@ def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayo
     check(a.shape[1] == weights.num_slices * weights.max_rank,
           lambda: f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
           f"{weights.num_slices}*{weights.max_rank}")
-    check_tables(weights.ranks, None, weights.num_slots, weights.num_slices, x.device)
+    check_weight_tables(weights, weights.num_slices, x.device)
 
 
 @functools.lru_cache(maxsize=4096)

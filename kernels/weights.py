@@ -11,7 +11,7 @@ give slices different ranks (PEFT ``rank_pattern``); slice s of a slot uses rows
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -33,6 +33,9 @@ class LoRAWeights:
     slice_bounds: tuple[int, ...]
     max_rank: int
     is_embedding: bool = False
+    tables_checked: tuple | None = field(default=None, compare=False, repr=False)
+    """``(device, ranks, scalings)`` once ``kernels.checks.check_weight_tables`` passed them
+    there (fixed buffers that the slot pool writes in place: checked once, not per launch)."""
 
     @property
     def num_slots(self) -> int:

@@ -110,3 +110,24 @@ def test_a_bad_block_k_is_refused_every_time():
         with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 24"):
             lora_shrink(x, w, layout, block_k=24)
     assert lora_shrink(x, w, layout, block_k=16).shape == (5, 8)
+
+
+def test_bad_rank_and_scaling_tables_are_named_even_after_a_good_launch():
+    """The tables' check runs once per weights object and device; a table replaced since
+    (another tensor) is checked again."""
+    w, layout, x = _setup()
+    a = lora_shrink(x, w, layout)
+    y = torch.zeros(5, 12, device=DEVICE)
+    lora_expand(a, w, y, layout)  # the good tables now count as checked
+    good_ranks, good_scalings = w.ranks, w.scalings
+    w.ranks = good_ranks.long()
+    with pytest.raises(ValueError, match="ranks must be int32"):
+        lora_shrink(x, w, layout)
+    w.ranks = good_ranks[:2]
+    with pytest.raises(ValueError, match="ranks must be int32"):
+        lora_expand(a, w, y, layout)
+    w.ranks, w.scalings = good_ranks, good_scalings.half()
+    with pytest.raises(ValueError, match="scalings must be float32"):
+        lora_expand(a, w, y, layout)
+    w.scalings = good_scalings
+    lora_expand(a, w, y, layout)
