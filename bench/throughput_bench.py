@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 
 import torch
 
@@ -37,6 +38,9 @@ from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
 
 TIE = 0.125
+SLOTS = 16
+"""Adapter slots of a LoRA runtime (``max_loras_per_batch``): a workload with more adapters
+moves them in and out of slots while it runs, and a decode batch holds at most this many."""
 TIMED_PASSES = 3
 """Timed passes per case (one pass is 0.2-0.8 s on the H200: single passes swung by up to
 50% between similar cases); the row reports the median pass, its samples every pass."""
@@ -83,7 +87,7 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         check = _verify(base.passes, base_workload, base.margins)
         if check["status"] != "verified":
             verification = {**check, "error": f"interleaved base runtime: {check['error']}"}
-    wall, reqs, timeline, rec = sorted(main.runs, key=lambda r: r[0])[len(main.runs) // 2]
+    wall, reqs, timeline, rec, writes = sorted(main.runs, key=lambda r: r[0])[len(main.runs) // 2]
     tokens = sum(len(o) for o in main.passes[1])
     ttft = sorted(r.metrics.ttft for r in reqs)
     tpot = sorted(r.metrics.tpot for r in reqs if r.metrics.tpot is not None)
@@ -97,6 +101,7 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         "joules_per_token": None if energy is None else energy / tokens,
         "graph_steps": sum(s.graph for s in timeline), "steps": len(timeline),
         "warm_up_s": main.warm.seconds, "timed_compiles": _compiles(timeline),
+        "slot_writes": writes, "slot_write_ms": main.slot_write_ms,
         **{f"{mode}_step_ms_p50": _step_p50(timeline, mode) for mode in ("decode", "extend")},
     }
     if base is not None:
@@ -129,7 +134,7 @@ class _Runtime:
         lora = None
         if adapters:
             rank = int(case.ranks)
-            slots = min(len(spec.adapter_names), 16)
+            slots = min(len(spec.adapter_names), SLOTS)
             lora = LoRAManager(model, LoRAConfig(slots, rank, backend="triton" if device.type ==
                                                  "cuda" else "torch"))
             for i, name in enumerate(spec.adapter_names):
@@ -145,6 +150,8 @@ class _Runtime:
                                                              self.sched.max_step_tokens),
                                 max_batch, max_prefix=prompt).capture()]
         self.warm = Engine(self.runner, self.sched, self.graphs).warm_up()
+        self.lora = lora
+        self.slot_write_ms = None if lora is None else _slot_write_ms(lora, device)
         self.passes: list[list[list[int]]] = []
         self.margins: dict[int, list[float]] = {}
         self.runs: list[tuple] = []
@@ -159,16 +166,34 @@ class _Runtime:
 
     def timed_pass(self, workload) -> None:
         engine = Engine(self.runner, self.sched, self.graphs)
+        writes = 0 if self.lora is None else self.lora.writer.writes
         with self.ctx.telemetry.span() as rec:
             t0 = engine.clock()
             reqs = serve(engine, workload)
             _sync(self.ctx.device)
             wall = engine.clock() - t0
-        self.runs.append((wall, reqs, engine.timeline, rec))
+        writes = 0 if self.lora is None else self.lora.writer.writes - writes
+        self.runs.append((wall, reqs, engine.timeline, rec, writes))
         self.passes.append([list(r.output) for r in reqs])
 
     def release(self) -> None:
         self.graphs.clear()
+
+
+def _slot_write_ms(lora: LoRAManager, device: torch.device, n: int = 8) -> float | None:
+    """Wall time of moving one adapter into a slot (evicting the least recently used one),
+    device work included: the median over up to ``n`` adapters that hold no slot (None when
+    every adapter is resident)."""
+    lora.reset_lora_batch()  # the warm-up's last batch is done: its adapters may be evicted
+    times = []
+    for name in [a for a in lora.adapters if a not in lora.pool.slot_of][:n]:
+        _sync(device)
+        t0 = time.perf_counter()
+        lora.pin_adapter(name)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        lora.pin_adapter(name, False)
+    return 1e3 * statistics.median(times) if times else None
 
 
 def _compiles(timeline) -> int | None:
@@ -233,7 +258,7 @@ def table(rows: list[dict]) -> str:
     from bench.table import fmt, render
 
     head = ["case", "tokens/s", "% of base", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-            "step p50 ms: decode/extend", "J/token", "status"]
+            "step p50 ms: decode/extend", "slot writes/pass (ms each)", "J/token", "status"]
     body = []
     for r in rows:
         d = r["derived"]
@@ -243,5 +268,6 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(d.get('tpot_p50_ms'), '.2f')} / {fmt(d.get('tpot_p99_ms'), '.2f')}",
                      f"{fmt(d.get('decode_step_ms_p50'), '.2f')} / "
                      f"{fmt(d.get('extend_step_ms_p50'), '.2f')}",
+                     f"{fmt(d.get('slot_writes'))} ({fmt(d.get('slot_write_ms'), '.2f')})",
                      fmt(d.get("joules_per_token"), ".3f"), r["verification"]["status"]])
     return render(head, body)

@@ -20,8 +20,8 @@ from graphs import GraphRunner
 from graphs.runner import BASE, LORA
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.lora.adapters import random_adapter
-from lora_runtime.lora.manager import SLICES
 from lora_runtime.model.config import tiny
+from lora_runtime.model.modules import SLICES
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 

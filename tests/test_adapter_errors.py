@@ -29,7 +29,7 @@ def runner():
 
 def _snapshot(lora):
     return (
-        sorted(lora.adapters), list(lora.pool.owner), dict(lora.pool.slot_of),
+        sorted(lora.adapters), sorted(lora.images), list(lora.pool.owner), dict(lora.pool.slot_of),
         set(lora.pool.pinned),
         [(w.lora_a.clone(), w.lora_b.clone(), w.ranks.clone(), w.scalings.clone())
          for w in lora.weights.values()],
@@ -39,11 +39,11 @@ def _snapshot(lora):
 
 def _assert_unchanged(lora, before):
     after = _snapshot(lora)
-    assert after[:4] == before[:4]
-    for (a0, b0, r0, s0), (a1, b1, r1, s1) in zip(before[4], after[4], strict=True):
+    assert after[:5] == before[:5]
+    for (a0, b0, r0, s0), (a1, b1, r1, s1) in zip(before[5], after[5], strict=True):
         assert torch.equal(a0, a1) and torch.equal(b0, b1)
         assert torch.equal(r0, r1) and torch.equal(s0, s1)
-    assert after[5] is before[5]
+    assert after[6] is before[6]
 
 
 def _saved(tmp_path, **kw):

@@ -151,6 +151,16 @@ def test_a_lora_throughput_case_interleaves_a_base_runtime(monkeypatch):
     assert d["output_tokens"] == 4 * 3 and row["stats"]["n"] == throughput_bench.TIMED_PASSES
 
 
+def test_a_throughput_case_with_more_adapters_than_slots_counts_its_slot_writes(monkeypatch):
+    """One slot, two adapters: every pass moves adapters in and out of the slot, and the timed
+    passes still repeat the untimed pass's tokens (a stale slot would change them)."""
+    monkeypatch.setattr(throughput_bench, "SLOTS", 1)
+    row = throughput_bench.run_case(THROUGHPUT, CTX)
+    d = row["derived"]
+    assert row["verification"]["status"] == "verified", row["verification"]
+    assert d["slot_writes"] >= 2 and d["slot_write_ms"] > 0
+
+
 def test_a_throughput_case_whose_base_runtime_falls_short_is_failed(monkeypatch):
     _record_passes(monkeypatch, corrupt_base=True)
     row = throughput_bench.run_case(THROUGHPUT, CTX)

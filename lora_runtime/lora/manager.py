@@ -20,9 +20,10 @@ from lora_runtime.lora.batch_info import (
 )
 from lora_runtime.lora.layers import WRAPPERS
 from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.slot_image import SlotImage, SlotWriter
 from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, SLICES, TENSOR_PARALLEL
+from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, TENSOR_PARALLEL
 from lora_runtime.nvtx import phase
 
 
@@ -36,10 +37,13 @@ class LoRAManager:
         self.weights: dict[tuple[int | None, str], LoRAWeights] = {}
         self.pool = SlotPool(config.max_loras_per_batch)
         self.adapters: dict[str, LoRAAdapter] = {}
+        self.images: dict[str, SlotImage] = {}
+        """Each loaded adapter packed for slot writes (``slot_image.py``)."""
         self._in_batch: set[str] = set()
         self.dp = model.dp
         """Set when the model's MLP is sharded for DP attention (its LoRA is sharded to match)."""
         self._wrap_modules()
+        self.writer = SlotWriter(self.weights, self.device)
 
     # -- batch state (contracts 1 and 3) ------------------------------------------------------
     def prepare_lora_batch(self, batch: ForwardBatch) -> None:
@@ -136,12 +140,16 @@ class LoRAManager:
         adapter.validate(self.model.config, self.config.max_rank, self.config.target_modules)
         self._check_base_layers(adapter)
         adapter = adapter.to(self.dtype)
+        image = SlotImage.pack(adapter, self.weights, self._local_weights, self.dtype,
+                               pin=self.device.type == "cuda")
+        if self.dp is None:  # unsharded: the adapter's tensors become views of its image
+            adapter = image.share_with(adapter, self.weights)
         if pinned:
             try:
                 [(slot, _, _)] = self.pool.plan([name], protected=self._in_batch)
             except SlotPoolError as e:
                 raise AdapterError(f"cannot pin {name!r}: {e}") from e
-        self.adapters[name] = adapter
+        self.adapters[name], self.images[name] = adapter, image
         if pinned:
             self._write_slot(slot, name)
             self.pool.pinned.add(name)
@@ -168,7 +176,7 @@ class LoRAManager:
         slot = self.pool.release(name)
         if slot is not None:
             self._clear_slot(slot)
-        del self.adapters[name]
+        del self.adapters[name], self.images[name]
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         if name not in self.adapters:
@@ -187,35 +195,12 @@ class LoRAManager:
 
     @torch.no_grad()
     def _write_slot(self, slot: int, name: str) -> None:
-        adapter = self.adapters[name]
-        for (layer, module), w in self.weights.items():
-            r_max = w.max_rank
-            for s, target in enumerate(SLICES[module]):
-                m = adapter.modules.get((layer, target))
-                r = 0 if m is None else m.rank
-                lo, hi = w.slice_bounds[s], w.slice_bounds[s + 1]
-                if w.is_embedding:
-                    w.lora_a[slot].zero_()
-                    w.lora_b[slot].zero_()
-                    if m is not None:
-                        w.lora_a[slot, :, :r].copy_(m.a.t())
-                        w.lora_b[slot, :, :r].copy_(m.b)
-                else:
-                    w.lora_a[slot, s * r_max : (s + 1) * r_max].zero_()
-                    w.lora_b[slot, lo:hi].zero_()
-                    if m is not None:
-                        a, b = self._local_weights(module, m)
-                        w.lora_a[slot, s * r_max : s * r_max + r].copy_(a)
-                        w.lora_b[slot, lo:hi, :r].copy_(b)
-                w.ranks[slot, s] = r
-                w.scalings[slot, s] = 0.0 if m is None else m.scaling
+        self.writer.write(self.images[name], slot)
         self.pool.assign(slot, name)
 
     @torch.no_grad()
     def _clear_slot(self, slot: int) -> None:
-        for w in self.weights.values():
-            w.ranks[slot].zero_()
-            w.scalings[slot].zero_()
+        self.writer.clear(slot)
 
     # -- model surgery ----------------------------------------------------------------------
     def _wrap_modules(self) -> None:
