@@ -10,6 +10,7 @@ branches (``lora_active``) at capture time, so the stale-state hazards are real 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -33,8 +34,18 @@ def capture_cuda_graph(fn: Callable[[], object], warmup: int = 1,
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = fn()
+    # Hazard: a garbage collection inside the capture may free pinned host memory (the slot
+    # images of a runtime dropped earlier), and the host allocator then records an event on
+    # the stream of its last copy, which invalidates the capture. torch no longer collects
+    # before a capture: the collector stays off until the capture ends.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, output
 
 
