@@ -34,9 +34,9 @@ def capture_cuda_graph(fn: Callable[[], object], warmup: int = 1,
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # Hazard: a garbage collection inside the capture may free pinned host memory (the slot
-    # images of a runtime dropped earlier), and the host allocator then records an event on
-    # the stream of its last copy, which invalidates the capture. torch no longer collects
+    # Hazard: a garbage collection inside the capture may destroy the CUDA graphs of a runtime
+    # dropped earlier (held in reference cycles); destroying a graph is not permitted while a
+    # stream captures and invalidates the capture (seen on the H200). torch no longer collects
     # before a capture: the collector stays off until the capture ends.
     collecting = gc.isenabled()
     gc.disable()

@@ -52,20 +52,28 @@ def _load_heads(x_ptr, row_off, d_ptr, d_off, heads, half, HAS_DELTA: tl.constex
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr, d_ptr,
-                    heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
-                    stride_tab, stride_d, HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _cos_sin(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, half, stride_tab, BLOCK_HALF: tl.constexpr):
+    """Token ``t``'s half-width cos/sin rows, rounded to the activations' dtype as the model's
+    torch RoPE rounds them, in float32; with the half offsets and their mask."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    slot = tl.load(loc_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < half
     dt = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
-    cos = cos.to(dt).to(tl.float32)[None, :]
-    sin = sin.to(dt).to(tl.float32)[None, :]
+    return offs_d, d_mask, cos.to(dt).to(tl.float32), sin.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr, d_ptr,
+                    heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
+                    stride_tab, stride_d, HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    offs_d, d_mask, cos, sin = _cos_sin(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, half, stride_tab,
+                                        BLOCK_HALF)
+    cos, sin = cos[None, :], sin[None, :]
     row, d_row = t * stride_qkv, t * stride_d
     lo, hi, oh, od, m = _load_heads(qkv_ptr, row, d_ptr, d_row, heads, half, HAS_DELTA,
                                     BLOCK_H, BLOCK_HALF)
@@ -120,14 +128,8 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
     columns start at ``h * head_dim`` in both cases (k heads follow the q heads)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < half
-    dt = qkv_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_tab + offs_d, mask=d_mask, other=0.0)
-    cos = cos.to(dt).to(tl.float32)
-    sin = sin.to(dt).to(tl.float32)
+    offs_d, d_mask, cos, sin = _cos_sin(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, half, stride_tab,
+                                        BLOCK_HALF)
     lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
             stride_bs, stride_bn, stride_br, t)
     row = t * stride_qkv

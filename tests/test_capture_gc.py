@@ -1,7 +1,7 @@
-"""A CUDA graph capture survives garbage that holds pinned host memory (a dropped runtime's
-slot images): with the collector free to run inside the capture, freeing such memory records
-an event on its copy's stream and invalidates the capture. The collector is made to run on
-every allocation here, so without ``capture_cuda_graph`` keeping it off this fails."""
+"""A CUDA graph capture survives garbage that holds other CUDA graphs (a dropped runtime's,
+in reference cycles): a collection inside the capture destroys them, which is not permitted
+while a stream captures and invalidates the capture. The collector is made to run on every
+allocation here, so without ``capture_cuda_graph`` keeping it off this fails."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from graphs.replayable import capture_cuda_graph
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-def test_capture_with_pinned_garbage_pending():
+def test_capture_with_dropped_graphs_pending_collection():
     device = torch.device("cuda")
     x = torch.randn(256, device=device)
 
@@ -27,12 +27,11 @@ def test_capture_with_pinned_garbage_pending():
     old = gc.get_threshold()
     try:
         for _ in range(4):
-            cycle = {"pinned": torch.randn(1 << 16).pin_memory()}
-            cycle["self"] = cycle  # only the collector frees it
-            torch.empty(1 << 16, device=device).copy_(cycle["pinned"], non_blocking=True)
-            del cycle
+            dropped = {"graph": capture_cuda_graph(fn, warmup=0)}
+            dropped["self"] = dropped  # only the collector frees it
+            del dropped
         gc.set_threshold(1)
-        graph, out = capture_cuda_graph(fn, warmup=1)
+        graph, out = capture_cuda_graph(fn, warmup=0)
     finally:
         gc.set_threshold(*old)
     x.copy_(torch.arange(256, device=device, dtype=torch.float32))
