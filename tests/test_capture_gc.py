@@ -20,17 +20,18 @@ def test_capture_with_dropped_graphs_pending_collection():
     x = torch.randn(256, device=device)
 
     def fn():
-        junk = [[] for _ in range(50)]  # Python allocations: the collector's trigger
+        gc.set_threshold(1)  # inside the capture: collect on the next allocations
+        junk = [[] for _ in range(50)]
         del junk
         return x * 2 + 1
 
     old = gc.get_threshold()
+    gc.set_threshold(10**9)  # nothing is collected before the capture begins
     try:
         for _ in range(4):
-            dropped = {"graph": capture_cuda_graph(fn, warmup=0)}
+            dropped = {"graph": capture_cuda_graph(lambda: x + 1, warmup=0)}
             dropped["self"] = dropped  # only the collector frees it
             del dropped
-        gc.set_threshold(1)
         graph, out = capture_cuda_graph(fn, warmup=0)
     finally:
         gc.set_threshold(*old)
