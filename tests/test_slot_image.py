@@ -53,6 +53,15 @@ def _expected(lora, adapter, key, w):
     return a, b, ranks, scal
 
 
+def _check_slot(lora, slot, ad):
+    for key, w in lora.weights.items():
+        a, b, ranks, scal = _expected(lora, ad, key, w)
+        assert torch.equal(w.lora_a[slot].cpu(), a.cpu()), (ad.name, key, "A")
+        assert torch.equal(w.lora_b[slot].cpu(), b.cpu()), (ad.name, key, "B")
+        assert torch.equal(w.ranks[slot].cpu(), ranks), (ad.name, key)
+        assert torch.equal(w.scalings[slot].cpu(), scal), (ad.name, key)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_written_slots_hold_their_adapter_and_nothing_else(dtype):
     rt = make_runtime(CFG, dtype=dtype, device=DEVICE, slots=3, max_rank=MAX_RANK)
@@ -77,12 +86,14 @@ def test_written_slots_hold_their_adapter_and_nothing_else(dtype):
         for (k, m) in ad.modules.items():  # the served tensors kept their values
             a0, b0 = originals[name][k]
             assert torch.equal(m.a, a0) and torch.equal(m.b, b0)
-        for key, w in lora.weights.items():
-            a, b, ranks, scal = _expected(lora, ad, key, w)
-            assert torch.equal(w.lora_a[slot].cpu(), a.cpu()), (name, key, "A")
-            assert torch.equal(w.lora_b[slot].cpu(), b.cpu()), (name, key, "B")
-            assert torch.equal(w.ranks[slot].cpu(), ranks), (name, key)
-            assert torch.equal(w.scalings[slot].cpu(), scal), (name, key)
+        _check_slot(lora, slot, ad)
+    # Rotate: each slot now takes another adapter (other ranks, other targets), through the
+    # views the writer cached for the first round.
+    names = list(lora.pool.slot_of)
+    for name, slot in zip(names[1:] + names[:1], [lora.pool.slot_of[n] for n in names],
+                          strict=True):
+        lora.writer.write(lora.images[name], slot)
+        _check_slot(lora, slot, lora.adapters[name])
     for w in lora.weights.values():  # the neutral row is never written
         assert (w.ranks[w.neutral_slot] == 7).all()
 
@@ -112,3 +123,11 @@ def test_cleared_slot_has_rank_zero_everywhere():
     lora.unload_adapter("F")
     for w in lora.weights.values():
         assert (w.ranks[slot] == 0).all() and (w.scalings[slot] == 0).all()
+
+
+def test_an_image_packed_for_larger_weights_is_refused():
+    small = make_runtime(CFG, dtype=torch.float32, device=DEVICE, slots=2, max_rank=2)
+    big = make_runtime(CFG, dtype=torch.float32, device=DEVICE, slots=2, max_rank=MAX_RANK)
+    big.lora.load_adapter("F", random_adapter(CFG, "F", MAX_RANK, ALL_TARGETS, seed=6))
+    with pytest.raises(ValueError, match="does not fit a slot"):
+        small.lora.writer.write(big.lora.images["F"], 0)

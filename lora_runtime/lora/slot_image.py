@@ -15,7 +15,8 @@ overwrites the staging; anything that writes slots on another stream must not us
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -26,8 +27,7 @@ from lora_runtime.model.modules import SLICES
 WeightKey = tuple[int | None, str]
 
 
-@dataclass(frozen=True)
-class _Block:
+class _Block(NamedTuple):  # a tuple: hashed in C, it keys the writer's view caches
     key: WeightKey
     part: str
     """``a`` or ``b``."""
@@ -45,6 +45,8 @@ class SlotImage:
     """int32, every weight's ranks row (in ``weights`` order) one after another."""
     scalings: torch.Tensor
     """float32, laid out as ``ranks``."""
+    staged: tuple | None = field(default=None, compare=False, repr=False)
+    """(staging buffer, its views per block) once a writer staged this image."""
 
     @property
     def nbytes(self) -> int:
@@ -92,32 +94,49 @@ class SlotImage:
 
 
 class SlotWriter:
-    """Moves slot images into the weights' slots through device staging buffers that grow to
-    the largest image written."""
+    """Moves slot images into the weights' slots through device staging buffers the size of
+    one slot (every image fits). The views a write touches are built once and kept: a write
+    is host-bound on a slow host otherwise (~1,000 tensor views for 32 layers)."""
 
     def __init__(self, weights: dict[WeightKey, LoRAWeights], device: torch.device) -> None:
         self.weights, self.device = weights, device
-        self._staging: dict[str, torch.Tensor] = {}
+        self._staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._table_sources: tuple[list, list] = ([], [])
+        self._slot_views: dict[int, tuple[list, list, list]] = {}
+        self._regions: dict[tuple[int, _Block], torch.Tensor] = {}
         self.writes = 0
         """Slot writes so far (adapters moved into a slot)."""
 
     def write(self, image: SlotImage, slot: int) -> None:
-        data, ranks, scalings = (self._stage(name, getattr(image, name))
-                                 for name in ("data", "ranks", "scalings"))
-        ws = list(self.weights.values())
-        torch._foreach_zero_([w.lora_a[slot] for w in ws] + [w.lora_b[slot] for w in ws])
+        data, ranks, scalings = self._stage(image)
+        zero, rank_dst, scal_dst = self._views_of(slot)
+        torch._foreach_zero_(zero)
         if image.blocks:
-            torch._foreach_copy_([self._region(b, slot) for b in image.blocks],
-                                 _blocks_of(data, image.blocks))
-        widths = [w.num_slices for w in ws]
-        torch._foreach_copy_([w.ranks[slot] for w in ws], list(ranks.split(widths)))
-        torch._foreach_copy_([w.scalings[slot] for w in ws], list(scalings.split(widths)))
+            regions = self._regions
+            dst = [regions.get((slot, b)) for b in image.blocks]
+            for i, v in enumerate(dst):
+                if v is None:
+                    dst[i] = regions[(slot, image.blocks[i])] = self._region(image.blocks[i],
+                                                                             slot)
+            torch._foreach_copy_(dst, image.staged[1])
+        torch._foreach_copy_(rank_dst, self._table_sources[0])
+        torch._foreach_copy_(scal_dst, self._table_sources[1])
         self.writes += 1
 
     def clear(self, slot: int) -> None:
         """Rank 0 everywhere: every kernel skips the slot (its weights stay as they were)."""
-        ws = list(self.weights.values())
-        torch._foreach_zero_([w.ranks[slot] for w in ws] + [w.scalings[slot] for w in ws])
+        _, rank_dst, scal_dst = self._views_of(slot)
+        torch._foreach_zero_(rank_dst + scal_dst)
+
+    def _views_of(self, slot: int) -> tuple[list, list, list]:
+        """(the slot's A and B blocks, its ranks rows, its scalings rows)."""
+        views = self._slot_views.get(slot)
+        if views is None:
+            ws = list(self.weights.values())
+            views = self._slot_views[slot] = (
+                [w.lora_a[slot] for w in ws] + [w.lora_b[slot] for w in ws],
+                [w.ranks[slot] for w in ws], [w.scalings[slot] for w in ws])
+        return views
 
     def _region(self, b: _Block, slot: int) -> torch.Tensor:
         w = self.weights[b.key]
@@ -128,15 +147,29 @@ class SlotWriter:
         lo, hi = w.slice_bounds[b.slice], w.slice_bounds[b.slice + 1]
         return w.lora_b[slot, lo:hi, : b.cols]
 
-    def _stage(self, name: str, host: torch.Tensor) -> torch.Tensor:
-        """``host``'s copy on the device (non-blocking: the image is pinned on CUDA)."""
-        buf = self._staging.get(name)
-        if buf is None or buf.numel() < host.numel():
-            buf = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
-            self._staging[name] = buf
-        out = buf[: host.numel()]
-        out.copy_(host, non_blocking=True)
-        return out
+    def _stage(self, image: SlotImage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The image's copies on the device (non-blocking: the image is pinned on CUDA)."""
+        if self._staging is None:
+            ws = list(self.weights.values())
+            slot_numel = sum(w.lora_a[0].numel() + w.lora_b[0].numel() for w in ws)
+            widths = [w.num_slices for w in ws]
+            self._staging = (
+                torch.empty(slot_numel, dtype=ws[0].lora_a.dtype, device=self.device),
+                torch.empty(sum(widths), dtype=torch.int32, device=self.device),
+                torch.empty(sum(widths), dtype=torch.float32, device=self.device))
+            self._table_sources = (list(self._staging[1].split(widths)),
+                                   list(self._staging[2].split(widths)))
+        buf, ranks, scalings = self._staging
+        if image.data.numel() > buf.numel():
+            raise ValueError(f"a slot image of {image.data.numel()} elements does not fit a "
+                             f"slot of {buf.numel()}: it was packed for other weights")
+        data = buf[: image.data.numel()]
+        if image.staged is None or image.staged[0] is not buf:
+            image.staged = (buf, _blocks_of(data, image.blocks))
+        data.copy_(image.data, non_blocking=True)
+        ranks.copy_(image.ranks, non_blocking=True)
+        scalings.copy_(image.scalings, non_blocking=True)
+        return data, ranks, scalings
 
 
 def _blocks_of(flat: torch.Tensor, blocks: tuple[_Block, ...]) -> list[torch.Tensor]:
