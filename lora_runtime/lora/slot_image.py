@@ -108,7 +108,7 @@ class SlotWriter:
         """Slot writes so far (adapters moved into a slot)."""
 
     def write(self, image: SlotImage, slot: int) -> None:
-        data, ranks, scalings = self._stage(image)
+        self._stage(image)
         zero, rank_dst, scal_dst = self._views_of(slot)
         torch._foreach_zero_(zero)
         if image.blocks:
@@ -147,14 +147,14 @@ class SlotWriter:
         lo, hi = w.slice_bounds[b.slice], w.slice_bounds[b.slice + 1]
         return w.lora_b[slot, lo:hi, : b.cols]
 
-    def _stage(self, image: SlotImage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The image's copies on the device (non-blocking: the image is pinned on CUDA)."""
+    def _stage(self, image: SlotImage) -> None:
+        """Copies the image into the staging buffers (non-blocking: pinned on CUDA)."""
         if self._staging is None:
             ws = list(self.weights.values())
             slot_numel = sum(w.lora_a[0].numel() + w.lora_b[0].numel() for w in ws)
             widths = [w.num_slices for w in ws]
             self._staging = (
-                torch.empty(slot_numel, dtype=ws[0].lora_a.dtype, device=self.device),
+                torch.empty(slot_numel, dtype=image.data.dtype, device=self.device),
                 torch.empty(sum(widths), dtype=torch.int32, device=self.device),
                 torch.empty(sum(widths), dtype=torch.float32, device=self.device))
             self._table_sources = (list(self._staging[1].split(widths)),
@@ -169,7 +169,6 @@ class SlotWriter:
         data.copy_(image.data, non_blocking=True)
         ranks.copy_(image.ranks, non_blocking=True)
         scalings.copy_(image.scalings, non_blocking=True)
-        return data, ranks, scalings
 
 
 def _blocks_of(flat: torch.Tensor, blocks: tuple[_Block, ...]) -> list[torch.Tensor]:
