@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import LoRAWeights
-from kernels.lora_epilogue import LoRADelta
 from lora_runtime.lora.backends import LoRABackend, RowSet
 
 
@@ -49,6 +48,14 @@ class LinearWithLoRA(LoRALayer):
         params = base._parameters
         return F.linear(x, params["weight"], params["bias"])
 
+    def _delta_beside(self, x: torch.Tensor, consumer: str):
+        """``(output, LoRADelta)`` where the backend computes the LoRA term beside the GEMM
+        for ``consumer`` to add (``backend.expand_beside``), else None."""
+        if self.backend.expand_beside(x, consumer):
+            return self.backend.linear_delta(self._modules["base"], x.contiguous(), self.lora,
+                                             self.rows)
+        return None
+
 
 class ColumnLinearWithLoRA(LinearWithLoRA):
     pass
@@ -61,11 +68,9 @@ class RowLinearWithLoRA(LinearWithLoRA):
         """``(output, LoRADelta or None)``: where the backend computes the LoRA term beside
         the GEMM (``backend.expand_beside``), it is returned as a delta for the next norm to
         add; otherwise it is already in the output."""
-        if self.lora_active and self.backend.expand_beside(x, "norm"):
-            y, delta = self.backend.linear_delta(self._modules["base"], x.contiguous(),
-                                                 self.lora, self.rows)
-            return y, LoRADelta(delta)
-        return self.forward(x), None  # not self(x): Module.__call__ costs host time
+        out = self._delta_beside(x, "norm") if self.lora_active else None
+        # not self(x): Module.__call__ costs host time
+        return out if out is not None else (self.forward(x), None)
 
 
 class MLPRowLinearWithLoRA(RowLinearWithLoRA):
@@ -83,17 +88,17 @@ class DeferredExpandLinear(LinearWithLoRA):
     consumer: str
 
     def forward_deferred(self, x: torch.Tensor):
-        """``(output, PendingLoRA, LoRADelta or None)``: where the backend computes the term
+        """``(output, PendingLoRA or LoRADelta or None)``: where the backend computes the term
         beside the GEMM (``backend.expand_beside``) it comes as a delta, where it leaves the
         expand to the consumer (``backend.fuses_expand``) as a pending term, for the consumer
         to add; otherwise it is already in the output."""
         if self.lora_active:
-            base, backend = self._modules["base"], self.backend
-            if backend.expand_beside(x, self.consumer):
-                y, delta = backend.linear_delta(base, x.contiguous(), self.lora, self.rows)
-                return y, LoRADelta(delta)
-            if backend.fuses_expand(x, self.consumer):
-                return backend.linear_deferred(base, x.contiguous(), self.lora, self.rows)
+            out = self._delta_beside(x, self.consumer)
+            if out is not None:
+                return out
+            if self.backend.fuses_expand(x, self.consumer):
+                return self.backend.linear_deferred(self._modules["base"], x.contiguous(),
+                                                    self.lora, self.rows)
         return self.forward(x), None  # not self(x): Module.__call__ costs host time
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from lora_runtime.engine.forward_batch import DecodeAttention, ForwardBatch
 from lora_runtime.model.attention_ops import decode_attention, extend_attention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RotaryEmbedding
+from lora_runtime.model.layers import RotaryEmbedding, deferred, with_delta
 
 
 class LlamaAttention(nn.Module):
@@ -31,11 +31,7 @@ class LlamaAttention(nn.Module):
         the norm after it (``RowLinearWithLoRA.forward_delta``)."""
         t = hidden.shape[0]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
-        qkv_proj = self.qkv_proj
-        # A LoRA wrapper may leave its expand to RoPE (class lookup: no Module.__getattr__ on
-        # the plain nn.Linear path).
-        qkv, lora = (qkv_proj.forward_deferred(hidden)
-                     if hasattr(type(qkv_proj), "forward_deferred") else (qkv_proj(hidden), None))
+        qkv, lora = deferred(self.qkv_proj, hidden)
         q = self.rotary.rotate_and_cache(qkv, batch.positions, batch.out_cache_loc, k_cache,
                                          v_cache, self.num_heads, lora)
         if t == 0:
@@ -44,6 +40,4 @@ class LlamaAttention(nn.Module):
             out = decode_attention(q, k_cache, v_cache, batch.attn, self.scale)
         else:
             out = extend_attention(q, k_cache, v_cache, batch.attn, batch.positions, self.scale)
-        o_proj, out = self.o_proj, out.reshape(t, self.q_size)
-        return o_proj.forward_delta(out) if hasattr(type(o_proj), "forward_delta") else (
-            o_proj(out), None)
+        return with_delta(self.o_proj, out.reshape(t, self.q_size))

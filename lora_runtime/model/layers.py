@@ -42,6 +42,24 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, x)
 
 
+# The LoRA wrappers' methods are found by a class lookup: no Module.__getattr__ on the plain
+# nn.Linear path.
+def deferred(projection: nn.Module, x: torch.Tensor):
+    """``(projection(x), None)``, or where ``projection`` is a LoRA wrapper that may leave its
+    term to the next kernel, ``(base output, PendingLoRA or LoRADelta or None)``."""
+    if hasattr(type(projection), "forward_deferred"):
+        return projection.forward_deferred(x)
+    return projection(x), None
+
+
+def with_delta(projection: nn.Module, x: torch.Tensor):
+    """``(projection(x), None)``, or where ``projection`` is a LoRA wrapper that may compute
+    its term beside the GEMM for the next norm, ``(base output, LoRADelta or None)``."""
+    if hasattr(type(projection), "forward_delta"):
+        return projection.forward_delta(x)
+    return projection(x), None
+
+
 def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``. ``lora``: the
     gate_up projection's pending LoRA term (``kernels.lora_epilogue.PendingLoRA``), added

@@ -11,7 +11,7 @@ from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.forward_batch import ForwardBatch
 from lora_runtime.model.attention import LlamaAttention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, silu_mul
+from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, deferred, silu_mul, with_delta
 
 
 class LlamaMLP(nn.Module):
@@ -34,16 +34,8 @@ class LlamaMLP(nn.Module):
         return reduce_scatter_rows(out, self.dp)[: x.shape[0]], None
 
     def _local(self, x: torch.Tensor, delta: bool):
-        gate_up, down = self.gate_up_proj, self.down_proj
-        # A LoRA wrapper may leave its expand to the activation (class lookup: no
-        # Module.__getattr__ on the plain nn.Linear path).
-        if hasattr(type(gate_up), "forward_deferred"):
-            h = silu_mul(*gate_up.forward_deferred(x))
-        else:
-            h = silu_mul(gate_up(x))
-        if delta and hasattr(type(down), "forward_delta"):
-            return down.forward_delta(h)
-        return down(h), None
+        h = silu_mul(*deferred(self.gate_up_proj, x))
+        return with_delta(self.down_proj, h) if delta else (self.down_proj(h), None)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -127,10 +127,12 @@ class LoRABackend:
 
     def linear_delta(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                      weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
-        """``(base(x), delta)``: shrink and expand run on the side branch into a zeroed
-        float32 ``delta`` (beside the GEMM under a capture), for the next norm to add
-        (``kernels.rms_norm``) or consumer kernel (``kernels.lora_epilogue.LoRADelta``). The
-        term leaves the GEMM's critical path; rows without an adapter keep a zero delta."""
+        """``(base(x), LoRADelta)``: shrink and expand run on the side branch into a zeroed
+        float32 delta (beside the GEMM under a capture), for the next norm or consumer kernel
+        to add (``kernels.lora_epilogue.LoRADelta``). The term leaves the GEMM's critical
+        path; rows without an adapter keep a zero delta."""
+        from kernels.lora_epilogue import LoRADelta
+
         layout = self._layout(rows, "linear")
 
         def side() -> torch.Tensor:
@@ -139,7 +141,7 @@ class LoRABackend:
             return delta
 
         delta, y = run_beside(side, lambda: base(x), x.device)
-        return y, delta
+        return y, LoRADelta(delta)
 
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
                       weights: LoRAWeights) -> None:
