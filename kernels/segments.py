@@ -126,22 +126,38 @@ class SegmentLayout:
     @staticmethod
     def from_plan(plan: SegmentPlan, device: torch.device | str) -> SegmentLayout:
         """Exact-size layout for an eager forward (one host-to-device copy)."""
-        t, nb = plan.num_rows, len(plan.blocks)
-        host = _pack(plan, t, nb, neutral_slot=0)  # exact size: nothing to pad
+        return SegmentLayout.from_plans([plan], device)[0]
+
+    @staticmethod
+    def from_plans(plans: list[SegmentPlan], device: torch.device | str) -> list[SegmentLayout]:
+        """Exact-size layouts of several plans (an eager forward's token rows, logits rows,
+        gathered rows) in one buffer, moved by one host-to-device copy. On CUDA the copy is
+        from pinned memory and does not block: a copy from pageable memory waits for the
+        stream first, which held every eager step's host work until the previous step's
+        kernels had run."""
         # Each part starts 16-byte aligned: Triton specialises kernels on pointer alignment,
         # so offsets that moved with the batch's row count compiled new variants mid-serving.
-        sizes = [t, t, nb, nb, nb]
-        starts = [0]
-        for n in sizes[:-1]:
-            starts.append(starts[-1] + n + (-n % _ALIGN))
-        aligned = np.zeros(starts[-1] + sizes[-1] + (-sizes[-1] % _ALIGN), dtype=np.int32)
-        at = 0
-        for o, n in zip(starts, sizes, strict=True):
-            aligned[o : o + n] = host[at : at + n]
-            at += n
-        buf = torch.from_numpy(aligned).to(device)
-        parts = [buf[o : o + n] for o, n in zip(starts, sizes, strict=True)]
-        return SegmentLayout(*parts, block_m=plan.block_m)
+        parts, at = [], 0
+        for plan in plans:
+            t, nb = plan.num_rows, len(plan.blocks)
+            for n in (t, t, nb, nb, nb):
+                parts.append((at, n))
+                at += n + (-n % _ALIGN)
+        device = torch.device(device)
+        pinned = device.type == "cuda"
+        host = torch.empty(max(at, _ALIGN), dtype=torch.int32, pin_memory=pinned)
+        flat = host.numpy()
+        flat[:] = 0
+        for i, plan in enumerate(plans):
+            packed = _pack(plan, plan.num_rows, len(plan.blocks), neutral_slot=0)
+            src = 0
+            for o, n in parts[5 * i : 5 * i + 5]:
+                flat[o : o + n] = packed[src : src + n]
+                src += n
+        buf = host.to(device, non_blocking=pinned)
+        views = [buf[o : o + n] for o, n in parts]
+        return [SegmentLayout(*views[5 * i : 5 * i + 5], block_m=plan.block_m)
+                for i, plan in enumerate(plans)]
 
 
 _ALIGN = 4  # int32 entries in 16 bytes

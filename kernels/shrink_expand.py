@@ -25,6 +25,7 @@ from kernels.expand import (
     launch_shape,
     load_b_tile,
 )
+from kernels.launch import launch
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args, shrink_rows
 from kernels.traced_op import traced_op
@@ -69,14 +70,14 @@ def _shrink_expand_op(
     if y.shape[0] == 0 or grid[0] == 0:
         return
     max_rank = lora_b.shape[2]
-    _shrink_expand_kernel[grid](
+    launch(_shrink_expand_kernel, grid,
         x, lora_a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets,
         x.shape[1], max_rank,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y.stride(0), y.stride(1),
+        *x.stride(),
+        *lora_a.stride(),
+        *lora_b.stride(),
+        *y.stride(),
         NUM_SLICES=slice_offsets.shape[0] - 1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k, TILES=tiles,
         PRECISION=config.dot_precision(lora_b.dtype), num_warps=num_warps,

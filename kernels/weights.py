@@ -36,6 +36,11 @@ class LoRAWeights:
     tables_checked: tuple | None = field(default=None, compare=False, repr=False)
     """``(device, ranks, scalings)`` once ``kernels.checks.check_weight_tables`` passed them
     there (fixed buffers that the slot pool writes in place: checked once, not per launch)."""
+    shrink_checked: tuple | None = field(default=None, compare=False, repr=False)
+    """``(lora_a, x dtype, x device, x columns)`` once ``check_shrink_args`` passed them: what
+    depends on the weights alone is checked once per input signature, not per launch."""
+    expand_checked: tuple | None = field(default=None, compare=False, repr=False)
+    """``(lora_b, y dtype, y device)``, the same for ``check_expand_args``."""
 
     @property
     def num_slots(self) -> int:

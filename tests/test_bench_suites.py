@@ -16,6 +16,7 @@ from bench.context import Context
 from bench.hardware import Ceilings
 from bench.model_runtime import BenchRuntime
 from bench.scenarios import IdleCase
+from kernels.config import interpreted
 
 CPU = torch.device("cpu")
 CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=2, profile="cpu")
@@ -107,8 +108,12 @@ def test_a_failed_dp_spawn_fails_its_cases(monkeypatch):
 
 
 ATTENTION = AttentionCase("decode", 2, 16, 0, "triton", 2, 1, 16, dtype="float32")
+needs_interpreter = pytest.mark.skipif(
+    not interpreted(), reason="the Triton provider on CPU tensors needs TRITON_INTERPRET=1 (a "
+    "GPU machine compiles Triton for its GPU)")
 
 
+@needs_interpreter
 def test_an_attention_case_is_verified_then_timed():
     [row] = attention_suite.run_case(ATTENTION, CTX)
     assert row["verification"]["status"] == "verified"
@@ -116,6 +121,7 @@ def test_an_attention_case_is_verified_then_timed():
     assert row["regime"] == "decode" and row["dtype"] == "float32"
 
 
+@needs_interpreter
 def test_an_attention_case_off_the_reference_is_failed_and_not_timed(monkeypatch):
     monkeypatch.setattr(attention_bench, "_first_request_error", lambda *a: 0.5)
     [row] = attention_suite.run_case(ATTENTION, CTX)

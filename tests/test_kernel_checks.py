@@ -131,3 +131,23 @@ def test_bad_rank_and_scaling_tables_are_named_even_after_a_good_launch():
         lora_expand(a, w, y, layout)
     w.scalings = good_scalings
     lora_expand(a, w, y, layout)
+
+
+def test_mismatches_are_named_after_good_launches_too():
+    """What depends on the weights alone is checked once per input signature; a launch with
+    another signature after good ones is checked again, shrink, expand and both in one."""
+    from kernels import lora_shrink_expand
+
+    w, layout, x = _setup()
+    y = torch.zeros(5, 12, device=DEVICE)
+    lora_expand(lora_shrink(x, w, layout), w, y, layout)
+    lora_shrink_expand(x, w, y, layout)
+    with pytest.raises(ValueError, match="lora_a dtype"):
+        lora_shrink(x.half(), w, layout)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        lora_shrink_expand(torch.randn(5, 31, device=DEVICE), w, y, layout)
+    with pytest.raises(ValueError, match="lora_b dtype"):
+        lora_shrink_expand(x, w, y.half(), layout)
+    w.lora_b = w.lora_b[:, :, :2].contiguous()  # another tensor, of the wrong rank
+    with pytest.raises(ValueError, match="max_rank"):
+        lora_expand(lora_shrink(x, w, layout), w, y, layout)

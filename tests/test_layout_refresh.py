@@ -141,3 +141,25 @@ def test_a_view_has_no_more_blocks_than_rows_and_fits_every_plan(data):
                     view.block_ends.numpy()])[:, :used].T
     assert [tuple(b) for b in got] == [tuple(b) for b in plan.blocks]
     assert (view.block_starts.numpy()[used:] == view.block_ends.numpy()[used:]).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=0, max_size=9),
+                          st.sampled_from([1, 4, 16])), min_size=1, max_size=3))
+def test_layouts_of_several_plans_share_one_aligned_buffer(specs):
+    """An eager forward's layouts come from one copy: each equals its plan, and every part
+    starts 16 bytes into the buffer (Triton specialises on pointer alignment)."""
+    plans = [segments.plan_segments(slots, None, block_m=bm) for slots, bm in specs]
+    layouts = segments.SegmentLayout.from_plans(plans, "cpu")
+    bases = {lay.token_slots.untyped_storage().data_ptr() for lay in layouts}
+    assert len(bases) == 1
+    for plan, lay in zip(plans, layouts, strict=True):
+        assert lay.token_slots.tolist() == list(plan.token_slots)
+        assert lay.block_m == plan.block_m
+        starts = [b[1] for b in plan.blocks]
+        assert lay.block_starts.tolist() == starts
+        assert lay.block_slots.tolist() == [b[0] for b in plan.blocks]
+        assert lay.block_ends.tolist() == [b[2] for b in plan.blocks]
+        assert lay.permutation.tolist() == list(plan.permutation)
+        for t in ("token_slots", "permutation", "block_slots", "block_starts", "block_ends"):
+            assert getattr(lay, t).data_ptr() % 16 == 0, t

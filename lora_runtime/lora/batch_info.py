@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from kernels import SegmentLayout, SegmentPlan, SegmentSpec
 
 DECODE_BLOCK_M = 16  # decode blocks hold few rows: small blocks, more programs
@@ -58,7 +56,3 @@ class LoRABatchInfo:
     it, cleared with it.)"""
 
     rows: SegmentLayout
-
-    @staticmethod
-    def from_plan(plan: LoRABatchPlan, device: torch.device) -> LoRABatchInfo:
-        return LoRABatchInfo(SegmentLayout.from_plan(plan.rows, device))

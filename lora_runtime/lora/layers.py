@@ -38,21 +38,34 @@ class LoRALayer(nn.Module):
 
 class LinearWithLoRA(LoRALayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Module.__getattr__ costs ~1-2 us a lookup on a slow host (x 34 wrappers a forward):
-        # the base and its parameters are read from their registries, which stay current.
-        base = self._modules["base"]
         if self.lora_active:
-            return self.backend.linear(base, x.contiguous(), self.lora, self.rows)
+            return self.backend.linear(self._base_call(), x.contiguous(), self.lora, self.rows)
+        return self._base_call()(x)
+
+    def _base_call(self):
+        """The base layer as a function: ``F.linear`` on its parameters for a plain
+        ``nn.Linear`` (``Module.__call__`` and ``__getattr__`` cost 1-10 us each on a slow
+        host, x 34 wrappers a forward); read from the registries, which stay current."""
+        base = self._modules["base"]
         if not self.plain_linear:
-            return base(x)
+            return base
         params = base._parameters
-        return F.linear(x, params["weight"], params["bias"])
+        return lambda x: F.linear(x, params["weight"], params["bias"])
+
+    def _one_launch(self, x: torch.Tensor):
+        """The output with the LoRA term added in one launch after the GEMM where the backend
+        does that for ``x`` (eager, few rows: host-bound, ``backend.one_launch``), else None.
+        Checked first: the delta and deferred routes are for graph captures and more rows."""
+        if self.backend.one_launch(x):
+            return self.backend.linear_one_launch(self._base_call(), x.contiguous(), self.lora,
+                                                  self.rows)
+        return None
 
     def _delta_beside(self, x: torch.Tensor, consumer: str):
         """``(output, LoRADelta)`` where the backend computes the LoRA term beside the GEMM
         for ``consumer`` to add (``backend.expand_beside``), else None."""
         if self.backend.expand_beside(x, consumer):
-            return self.backend.linear_delta(self._modules["base"], x.contiguous(), self.lora,
+            return self.backend.linear_delta(self._base_call(), x.contiguous(), self.lora,
                                              self.rows)
         return None
 
@@ -68,9 +81,14 @@ class RowLinearWithLoRA(LinearWithLoRA):
         """``(output, LoRADelta or None)``: where the backend computes the LoRA term beside
         the GEMM (``backend.expand_beside``), it is returned as a delta for the next norm to
         add; otherwise it is already in the output."""
-        out = self._delta_beside(x, "norm") if self.lora_active else None
-        # not self(x): Module.__call__ costs host time
-        return out if out is not None else (self.forward(x), None)
+        if self.lora_active:
+            y = self._one_launch(x)
+            if y is not None:
+                return y, None
+            out = self._delta_beside(x, "norm")
+            if out is not None:
+                return out
+        return self.forward(x), None  # not self(x): Module.__call__ costs host time
 
 
 class MLPRowLinearWithLoRA(RowLinearWithLoRA):
@@ -93,11 +111,14 @@ class DeferredExpandLinear(LinearWithLoRA):
         expand to the consumer (``backend.fuses_expand``) as a pending term, for the consumer
         to add; otherwise it is already in the output."""
         if self.lora_active:
+            y = self._one_launch(x)
+            if y is not None:
+                return y, None
             out = self._delta_beside(x, self.consumer)
             if out is not None:
                 return out
             if self.backend.fuses_expand(x, self.consumer):
-                return self.backend.linear_deferred(self._modules["base"], x.contiguous(),
+                return self.backend.linear_deferred(self._base_call(), x.contiguous(),
                                                     self.lora, self.rows)
         return self.forward(x), None  # not self(x): Module.__call__ costs host time
 

@@ -13,11 +13,19 @@ from contextlib import contextmanager
 
 import torch
 
+from kernels.config import interpreted
+
 BACKENDS = ("triton", "torch")
 _backend = "triton" if torch.cuda.is_available() else "torch"
 
 
-def base_backend() -> str:
+def base_backend(device: torch.device | None = None) -> str:
+    """The backend a forward on ``device`` runs: the selected one, except ``torch`` for CPU
+    tensors while Triton is not interpreting (a compiled Triton kernel cannot read host
+    memory: a CPU run on a GPU machine)."""
+    if (_backend == "triton" and device is not None and device.type != "cuda"
+            and not interpreted()):
+        return "torch"
     return _backend
 
 

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``lora``:
         the previous projection's LoRA term as a delta (``LoRABackend.linear_delta``), added
         to ``x`` first."""
-        if base_backend() == "triton":
+        if base_backend(x.device) == "triton":
             return rms_norm(x, self.weight, self.eps, residual,
                             None if lora is None else lora.delta)
         if lora is not None:
@@ -64,7 +64,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``. ``lora``: the
     gate_up projection's pending LoRA term (``kernels.lora_epilogue.PendingLoRA``), added
     first: inside the Triton kernel, or by the expand before the torch version."""
-    if base_backend() == "triton":
+    if base_backend(gate_up.device) == "triton":
         return silu_mul_triton(gate_up, lora)
     if lora is not None:
         gate_up = lora.apply(gate_up)
@@ -121,7 +121,7 @@ class RotaryEmbedding(nn.Module):
         written to the caches at ``cache_loc``. ``lora``: the qkv projection's pending LoRA
         term (``kernels.lora_epilogue.PendingLoRA``), added first: inside the Triton kernel,
         or by the expand before the torch version."""
-        if base_backend() == "triton":
+        if base_backend(qkv.device) == "triton":
             return rope_and_cache_kv(qkv, positions, self.cos, self.sin, cache_loc, k_cache,
                                      v_cache, heads, lora)
         if lora is not None:

@@ -56,13 +56,13 @@ class LoRABackend:
     def prepare(self, plan: LoRABatchPlan) -> None:
         """Eager forward: exact-size metadata, one host-to-device copy per layout. Under DP,
         a rank whose own rows have no adapter keeps ``batch_info`` None."""
-        info = logits = None
-        if plan.gathered is None or plan.has_local_adapters:
-            info = LoRABatchInfo.from_plan(plan, self.device)
-            logits = SegmentLayout.from_plan(plan.logits_rows, self.device)
-        gathered = None if plan.gathered is None else SegmentLayout.from_plan(plan.gathered,
-                                                                             self.device)
-        self._set(info, logits, gathered)
+        local = plan.gathered is None or plan.has_local_adapters
+        plans = ([plan.rows, plan.logits_rows] if local else []) + (
+            [] if plan.gathered is None else [plan.gathered])
+        layouts = SegmentLayout.from_plans(plans, self.device)  # one copy for all
+        info = LoRABatchInfo(layouts[0]) if local else None
+        logits = layouts[1] if local else None
+        self._set(info, logits, layouts[-1] if plan.gathered is not None else None)
 
     def _set(self, info: LoRABatchInfo | None, logits: SegmentLayout | None,
              gathered: SegmentLayout | None = None) -> None:
@@ -89,11 +89,9 @@ class LoRABackend:
                weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
         """``base(x) + LoRA(x)`` for the rows of the prepared batch; inside a graph capture
         the LoRA kernels run beside the base GEMM (``linear_schedule``)."""
-        layout = self._layout(rows, "linear")
         if self.one_launch(x):
-            y = base(x)
-            self.shrink_expand(x, weights, y, layout)
-            return y
+            return self.linear_one_launch(base, x, weights, rows)
+        layout = self._layout(rows, "linear")
         return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
                            lambda a, y: self.expand(a, weights, y, layout))
 
@@ -101,6 +99,14 @@ class LoRABackend:
         """Whether ``linear`` adds the LoRA term in one kernel (``shrink_expand``) after the
         base GEMM instead of shrink and expand around it."""
         return False
+
+    def linear_one_launch(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                          weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
+        """``linear`` where ``one_launch(x)`` holds (the caller checked it)."""
+        layout = self._layout(rows, "linear")
+        y = base(x)
+        self.shrink_expand(x, weights, y, layout)
+        return y
 
     def fuses_expand(self, x: torch.Tensor, consumer: str) -> bool:
         """Whether a projection of ``x``'s rows may leave its expand to ``consumer``
