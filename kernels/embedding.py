@@ -11,7 +11,6 @@ import triton.language as tl
 from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_layout, check_weight_tables
-from kernels.launch import launch
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -52,7 +51,7 @@ def _embedding_op(
     out = torch.empty(t, max_rank, dtype=torch.float32, device=token_ids.device)
     if t == 0 or block_slots.shape[0] == 0:
         return out
-    launch(_embedding_gather_kernel, (block_slots.shape[0],),
+    _embedding_gather_kernel[(block_slots.shape[0],)](
         token_ids, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
         *lora_a.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank),

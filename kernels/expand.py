@@ -22,7 +22,6 @@ import triton.language as tl
 from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_dtype, check_layout, check_weight_tables
-from kernels.launch import launch
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -132,7 +131,7 @@ def _expand_op(
     if y.shape[0] == 0 or grid[0] == 0:
         return
     pdl = {"launch_pdl": True} if config.use_pdl(y.device) else {}
-    launch(_expand_kernel, grid,
+    _expand_kernel[grid](
         a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets,
         max_rank,

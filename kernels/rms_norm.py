@@ -19,7 +19,6 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.launch import launch
 from kernels.lora_epilogue import LoRADelta
 from kernels.traced_op import traced_op
 
@@ -74,7 +73,7 @@ def _launch(x, residual, delta, weight, eps, out, summed) -> None:
     block = config.next_pow2(x.shape[1])
     res, s = (residual, summed) if residual is not None else (x, out)
     d = delta if delta is not None else x
-    launch(_rms_norm_kernel, (x.shape[0],),
+    _rms_norm_kernel[(x.shape[0],)](
         x, res, d, weight, out, s, x.shape[1], eps, x.stride(0), res.stride(0), d.stride(0),
         out.stride(0), s.stride(0), HAS_RES=residual is not None, HAS_DELTA=delta is not None,
         BLOCK=block, num_warps=min(16, max(1, block // 512)))

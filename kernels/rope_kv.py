@@ -20,7 +20,6 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA, lora_row_delta
 from kernels.traced_op import traced_op
 
@@ -214,7 +213,7 @@ def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
         d = delta if delta is not None else qkv
-        launch(_rope_kv_kernel, (t,),
+        _rope_kv_kernel[(t,)](
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, d, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             d.stride(0), HAS_DELTA=delta is not None, BLOCK_H=config.next_pow2(heads),
@@ -238,7 +237,7 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     q = _q(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
-        launch(_rope_kv_lora_kernel, (t, heads + kv_heads),
+        _rope_kv_lora_kernel[(t, heads + kv_heads)](
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             a, b, slots, ranks, scalings, max_rank, s_am, s_ar, s_bs, s_bn, s_br,

@@ -25,7 +25,6 @@ from kernels.expand import (
     launch_shape,
     load_b_tile,
 )
-from kernels.launch import launch
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args, shrink_rows
 from kernels.traced_op import traced_op
@@ -70,7 +69,7 @@ def _shrink_expand_op(
     if y.shape[0] == 0 or grid[0] == 0:
         return
     max_rank = lora_b.shape[2]
-    launch(_shrink_expand_kernel, grid,
+    _shrink_expand_kernel[grid](
         x, lora_a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets,
         x.shape[1], max_rank,

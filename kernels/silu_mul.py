@@ -11,7 +11,6 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.launch import launch
 from kernels.lora_epilogue import (
     FUSE_BLOCK_M,
     LoRADelta,
@@ -131,7 +130,7 @@ def _silu_mul_op(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     if gate_up.shape[0]:
         block = min(BLOCK, config.next_pow2(inter))
         d = delta if delta is not None else gate_up
-        launch(_silu_mul_kernel, (gate_up.shape[0], config.cdiv(inter, block)),
+        _silu_mul_kernel[(gate_up.shape[0], config.cdiv(inter, block))](
             gate_up, d, out, inter, gate_up.stride(0), d.stride(0), out.stride(0),
             HAS_DELTA=delta is not None, BLOCK=block, num_warps=4)
     return out
@@ -154,7 +153,7 @@ def _silu_mul_lora_op(
     if rows:
         block_n = min(LORA_BLOCK_N, config.next_pow2(inter))
         grid = (config.cdiv(rows, FUSE_BLOCK_M), config.cdiv(inter, block_n))
-        launch(_silu_mul_lora_kernel, grid,
+        _silu_mul_lora_kernel[grid](
             gate_up, out, inter, rows, gate_up.stride(0), out.stride(0),
             a, b, perm, slots, ranks, scalings, max_rank, sentinel, s_am, s_ar, s_bs, s_bn, s_br,
             NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
@@ -177,7 +176,7 @@ def _silu_mul_lora_rows_op(
     rows, inter = out.shape
     if rows:
         block_n = min(config.row_block_n(BLOCK_R), config.next_pow2(inter))
-        launch(_silu_mul_lora_rows_kernel, (rows, config.cdiv(inter, block_n)),
+        _silu_mul_lora_rows_kernel[(rows, config.cdiv(inter, block_n))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0),
             a, b, slots, ranks, scalings, max_rank, s_am, s_ar, s_bs, s_bn, s_br,
             NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=4)
