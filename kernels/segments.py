@@ -154,6 +154,8 @@ class SegmentLayout:
             for o, n in parts[5 * i : 5 * i + 5]:
                 flat[o : o + n] = packed[src : src + n]
                 src += n
+        # Hazard: ``host`` is freed on return while the copy may be pending; torch's pinned
+        # allocator records the copy's stream and reuses the block only after it ran.
         buf = host.to(device, non_blocking=pinned)
         views = [buf[o : o + n] for o, n in parts]
         return [SegmentLayout(*views[5 * i : 5 * i + 5], block_m=plan.block_m)

@@ -184,7 +184,8 @@ MUTANTS = [
     Mutant("launcher_checks_ignore_the_input",
            "the weights-only launcher checks, once passed, are skipped for any later input",
            "kernels/shrink.py",
-           (("    if seen is not None and seen[0] is a and seen[1:] == (x.dtype, x.device, x.shape[1]):",
+           (("    if seen is not None and seen[0] is a"
+             " and seen[1:] == (x.dtype, x.device, x.shape[1]):",
              "    if seen is not None:"),),
            ("tests/test_kernel_checks.py",)),
     Mutant("refresh_skipped_for_any_spec",

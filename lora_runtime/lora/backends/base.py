@@ -54,8 +54,8 @@ class LoRABackend:
 
     # -- batch-state contract -------------------------------------------------------------
     def prepare(self, plan: LoRABatchPlan) -> None:
-        """Eager forward: exact-size metadata, one host-to-device copy per layout. Under DP,
-        a rank whose own rows have no adapter keeps ``batch_info`` None."""
+        """Eager forward: exact-size metadata, one host-to-device copy for all its layouts.
+        Under DP, a rank whose own rows have no adapter keeps ``batch_info`` None."""
         local = plan.gathered is None or plan.has_local_adapters
         plans = ([plan.rows, plan.logits_rows] if local else []) + (
             [] if plan.gathered is None else [plan.gathered])
