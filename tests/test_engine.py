@@ -48,7 +48,7 @@ def _serve(w: EngineWorld, data, config: SchedulerConfig, max_requests: int) -> 
             add()
         elif action == "load" and len(eng.lora.adapters) < 7:
             w.new_adapter(eng)
-        elif action == "pin":
+        elif action == "pin" and eng.lora.adapters:  # every adapter may have been unloaded
             cand = sorted(eng.lora.adapters)
             name = data.draw(st.sampled_from(cand))
             try:
