@@ -127,11 +127,9 @@ def row_block_n(block_r: int) -> int:
 
 def expand_in_consumer(x: torch.Tensor, consumer: str) -> bool:
     """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
-    "silu_mul" for gate_up). Not where the eager one-launch path runs (host-bound: one launch
-    beats a shrink whose term a consumer adds)."""
+    "silu_mul" for gate_up). Callers check the eager one-launch route first (host-bound: one
+    launch beats a shrink whose term a consumer adds)."""
     rows = x.shape[0]
-    if one_launch_lora(x):
-        return False
     return row_epilogue(rows, consumer) or (consumer == "silu_mul" and fused_expand(rows))
 
 
@@ -155,18 +153,35 @@ def delta_beside(x: torch.Tensor, consumer: str) -> bool:
             and torch.cuda.is_current_stream_capturing())
 
 
-ONE_LAUNCH_MAX_ROWS = int(os.environ.get("MULTILORA_ONE_LAUNCH_MAX_ROWS", "16"))
-"""Eager LoRA linears of at most this many rows run shrink and expand as one launch
+ONE_LAUNCH_MAX_ROWS = int(os.environ.get("MULTILORA_ONE_LAUNCH_MAX_ROWS", "64"))
+"""Eager LoRA linears of at most this many rows may run shrink and expand as one launch
 (``kernels.shrink_expand``; read at import, 0: never). Each output group recomputes its
-block's shrink, so the GPU work grows with rows x groups: only worth it where an eager step is
-bound by its launches' host time."""
+block's shrink, so the GPU work grows with blocks x groups: only worth it where an eager step
+is bound by its launches' host time. Above ``ONE_LAUNCH_FREE_ROWS`` rows the recomputation is
+bounded by ``ONE_LAUNCH_BUDGET``."""
+
+ONE_LAUNCH_FREE_ROWS = 16
+
+ONE_LAUNCH_BUDGET = int(os.environ.get("MULTILORA_ONE_LAUNCH_BUDGET", "2048"))
+"""Above ``ONE_LAUNCH_FREE_ROWS`` rows, one launch only while ``blocks x (block_m + rank
+block)`` (the rows of x and A each output group re-reads) is at most this. H200, 4 layers,
+eager LoRA step over eager base at 16 / 64 rows' limit: 16 adapters r=16, bs 64 (16 x 32 =
+512) 2.25 / 1.72x; 16 adapters r=64 (1280) 2.18 / 1.77x; 64 adapters r=16 (2048) 2.26 /
+2.18x; 64 adapters r=64 (5120) 2.24 / 3.00x (bound by the recomputation on the GPU)."""
 
 
-def one_launch_lora(x: torch.Tensor) -> bool:
+def one_launch_lora(x: torch.Tensor, blocks: int, block_m: int, max_rank: int) -> bool:
     """Eager (neither a CUDA graph capture nor a tracer: both keep the two-launch schedule, the
-    shrink beside the GEMM) and few rows."""
-    return (x.shape[0] <= ONE_LAUNCH_MAX_ROWS and not tracing()
-            and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    shrink beside the GEMM), few rows, and a bounded recomputation of the shrink
+    (``blocks``: the layout's segment blocks of ``block_m`` rows)."""
+    rows = x.shape[0]
+    if rows > ONE_LAUNCH_MAX_ROWS:
+        return False
+    rereads = blocks * (block_m + rank_block(max_rank))
+    if rows > ONE_LAUNCH_FREE_ROWS and rereads > ONE_LAUNCH_BUDGET:
+        return False
+    return not tracing() and not (x.device.type == "cuda"
+                                  and torch.cuda.is_current_stream_capturing())
 
 
 PDL = os.environ.get("MULTILORA_PDL", "1") != "0"

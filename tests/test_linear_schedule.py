@@ -16,8 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import linear_cases
 
-from kernels import lora_expand, lora_shrink
+from kernels import config, lora_expand, lora_shrink
 from kernels.reference import expand_reference, shrink_reference
+from lora_runtime.lora.backends import RowSet
+from lora_runtime.lora.backends.triton_backend import TritonBackend
+from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.linear_schedule import SCHEDULES, lora_linear, schedule_for
 
 KERNELS = {
@@ -118,3 +121,41 @@ def test_graph_branches_join_before_the_output_is_read(schedule, rows):
         graph.replay()
         want = _run(KERNELS["triton"], case, x, w, "serial")
         _assert_same_up_to_a_rounding(out["y"], want, want.double() - x.double() @ w.double().t())
+
+
+@pytest.mark.parametrize(("rows", "blocks", "max_rank", "want"), [
+    (16, 16, 256, True),  # up to 16 rows: one launch whatever the pool
+    (64, 16, 16, True),  # 16 blocks x (16 + 16) re-read rows = 512
+    (64, 64, 16, True),  # 2048: at the budget
+    (64, 64, 64, False),  # 5120: the recomputation bound the H200 step (3.00x against 2.24x)
+    (65, 1, 16, False),  # past the row limit
+])
+def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_rank, want):
+    assert config.one_launch_lora(torch.empty(rows, 8), blocks, 16, max_rank) is want
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_a_triton_linear_takes_the_route_the_budget_allows(monkeypatch, data):
+    """The backend reads the prepared layout's block count: within the budget one launch
+    (``shrink_expand``), past it shrink + expand; both give base + LoRA."""
+    if DEVICE == "cpu" and not config.interpreted():
+        pytest.skip("the Triton LoRA backend on CPU needs TRITON_INTERPRET=1")
+    case = data.draw(linear_cases(torch.float32, DEVICE))
+    budget = data.draw(st.sampled_from([0, 10**6]))
+    monkeypatch.setattr(config, "ONE_LAUNCH_FREE_ROWS", 0)
+    monkeypatch.setattr(config, "ONE_LAUNCH_BUDGET", budget)
+    backend = TritonBackend(case.weights.num_slots, DEVICE)
+    backend._set(LoRABatchInfo(case.layout), None)
+    x, w = _problem(case, torch.float32, data.draw(st.integers(0, 2**31)))
+    launches = {"one": 0, "two": 0}
+    for name, key in (("shrink_expand", "one"), ("expand", "two")):
+        real = getattr(TritonBackend, name)
+        monkeypatch.setattr(TritonBackend, name, lambda self, *a, real=real, key=key: (
+            launches.__setitem__(key, launches[key] + 1), real(self, *a))[1])
+    y = backend.linear(lambda v: v @ w.T, x, case.weights, RowSet.TOKENS)
+    rows = x.shape[0]
+    want_one = rows == 0 or (rows <= config.ONE_LAUNCH_MAX_ROWS and budget > 0)
+    assert launches == {"one": int(want_one), "two": int(not want_one)}, (rows, budget)
+    ref = x.double() @ w.double().T + lora_delta_f64(x, case.weights, case.token_slots)
+    assert rel_err(y, ref) < TOL[torch.float32]

@@ -56,7 +56,7 @@ class LinearWithLoRA(LoRALayer):
         """The output with the LoRA term added in one launch after the GEMM where the backend
         does that for ``x`` (eager, few rows: host-bound, ``backend.one_launch``), else None.
         Checked first: the delta and deferred routes are for graph captures and more rows."""
-        if self.backend.one_launch(x):
+        if self.backend.one_launch(x, self.lora, self.rows):
             return self.backend.linear_one_launch(self._base_call(), x.contiguous(), self.lora,
                                                   self.rows)
         return None

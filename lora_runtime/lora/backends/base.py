@@ -89,20 +89,20 @@ class LoRABackend:
                weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
         """``base(x) + LoRA(x)`` for the rows of the prepared batch; inside a graph capture
         the LoRA kernels run beside the base GEMM (``linear_schedule``)."""
-        if self.one_launch(x):
+        if self.one_launch(x, weights, rows):
             return self.linear_one_launch(base, x, weights, rows)
         layout = self._layout(rows, "linear")
         return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
                            lambda a, y: self.expand(a, weights, y, layout))
 
-    def one_launch(self, x: torch.Tensor) -> bool:
+    def one_launch(self, x: torch.Tensor, weights: LoRAWeights, rows: RowSet) -> bool:
         """Whether ``linear`` adds the LoRA term in one kernel (``shrink_expand``) after the
         base GEMM instead of shrink and expand around it."""
         return False
 
     def linear_one_launch(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                           weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
-        """``linear`` where ``one_launch(x)`` holds (the caller checked it)."""
+        """``linear`` where ``one_launch`` holds (the caller checked it)."""
         layout = self._layout(rows, "linear")
         y = base(x)
         self.shrink_expand(x, weights, y, layout)
@@ -153,6 +153,12 @@ class LoRABackend:
                       weights: LoRAWeights) -> None:
         layout = self._layout(RowSet.TOKENS, "run_embedding")
         self.expand(self.embedding_shrink(token_ids, weights, layout), weights, y, layout)
+
+    def ready_layout(self, rows: RowSet) -> SegmentLayout | None:
+        """The prepared layout of ``rows``, or None where there is none."""
+        if rows is RowSet.TOKENS:
+            return None if self.batch_info is None else self.batch_info.rows
+        return self.gathered_info if rows is RowSet.GATHERED else self.logits_info
 
     def _layout(self, rows: RowSet, what: str) -> SegmentLayout:
         if not self.layout_ready(rows):

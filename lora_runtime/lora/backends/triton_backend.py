@@ -22,8 +22,10 @@ class TritonBackend(LoRABackend):
     def expand_beside(self, x, consumer):
         return config.delta_beside(x, consumer)
 
-    def one_launch(self, x):
-        return config.one_launch_lora(x)
+    def one_launch(self, x, weights, rows):
+        layout = self.ready_layout(rows)
+        return layout is not None and config.one_launch_lora(
+            x, layout.block_slots.shape[0], layout.block_m, weights.max_rank)
 
     def shrink_expand(self, x, weights, y, layout):
         lora_shrink_expand(x, weights, y, layout)
