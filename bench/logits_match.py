@@ -11,7 +11,11 @@ atomics in another order); over 4 random-weight layers the one-ulp differences g
 error of 0.008-0.0205 (H200, model suite, 2b40597). Deeper models scale the limit by
 sqrt(layers / 4), the growth of independent rounding perturbations: at 32 layers the row
 error measured 0.033-0.041 (b8dd3f3, with and without the side branch), limit 0.085. The
-greedy-token check below stays exact where the top-2 margin is clear."""
+greedy-token check below stays exact where the top-2 margin is clear: above ``BF16_MARGIN``,
+scaled by the same factor (each logit's error grows like the row's). A fixed 0.1 flipped one
+token of the full-depth bs-16 case in two model-suite runs (fe9f0c0, 7117719; row errors
+0.059 and 0.060, within their limit), the second with the graph and eager paths of that
+case unchanged from runs that passed."""
 TOL_DEPTH = 4
 BF16_MARGIN = 0.1
 
@@ -25,7 +29,8 @@ def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
         raise AssertionError(f"{what}: shapes {tuple(got.shape)} and {tuple(want.shape)}")
     if want.numel() == 0:
         return 0.0
-    tol = TOL[dtype] * max(1.0, layers / TOL_DEPTH) ** 0.5
+    depth = max(1.0, layers / TOL_DEPTH) ** 0.5
+    tol = TOL[dtype] * depth
     g, e = got.float(), want.float()
     if dtype != torch.bfloat16:
         torch.testing.assert_close(g, e, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
@@ -35,10 +40,11 @@ def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
     # token where the top-2 margin is clear.
     row_err = float(((g - e).norm(dim=-1) / e.norm(dim=-1)).max())
     top2 = e.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > BF16_MARGIN
+    margin = BF16_MARGIN * depth
+    clear = (top2[:, 0] - top2[:, 1]) > margin
     flipped = int((g.argmax(-1) != e.argmax(-1))[clear].sum())
     if row_err > tol or flipped:
         raise AssertionError(f"{what}: worst row relative error {row_err:.3g} (limit {tol}), "
                              f"{flipped} greedy tokens differ where the top-2 margin exceeds "
-                             f"{BF16_MARGIN}")
+                             f"{margin:.3g}")
     return row_err

@@ -9,6 +9,7 @@ import torch
 
 from bench.context import Context
 from bench.hardware import Ceilings
+from bench.logits_match import assert_logits_match
 from bench.model_bench import ModelCase, RuntimeCache, run_case
 from bench.model_runtime import BenchRuntime
 
@@ -51,3 +52,21 @@ def test_a_verified_case_times_every_traffic_and_path():
     assert {(r["traffic"], r["path"]) for r in rows} == {
         (t, p) for t in ("base", "lora") for p in ("eager", "graph", "replay_only")}
     assert all(r["verification"]["status"] == "verified" and r["stats"]["n"] == 2 for r in rows)
+
+
+@pytest.mark.parametrize(("layers", "margin", "fails"), [
+    (4, 0.15, True),  # a clear margin at 4 layers: the flipped token fails the check
+    (32, 0.15, False),  # within the noise 32 layers add (margin limit 0.1 x sqrt(8))
+    (32, 0.35, True),
+])
+def test_a_flipped_greedy_token_fails_where_its_margin_is_clear_for_the_depth(layers, margin,
+                                                                              fails):
+    want = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want[0, :2] = torch.tensor([5.0, 5.0 - margin])
+    got = want.clone()
+    got[0, :2] = torch.tensor([5.0 - margin, 5.0])  # the top two swapped: row error ~0.05
+    if fails:
+        with pytest.raises(AssertionError, match="1 greedy tokens differ"):
+            assert_logits_match(got, want, torch.bfloat16, "case", layers)
+    else:
+        assert assert_logits_match(got, want, torch.bfloat16, "case", layers) < 0.085
