@@ -26,7 +26,7 @@ from bench.context import Context
 from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.results import make_row
-from bench.timing import bench_time
+from bench.timing import bench_interleaved, bench_time, pair_ratio
 from lora_runtime.nvtx import nvtx_range
 
 PATHS = ("eager", "graph", "replay_only")
@@ -117,17 +117,24 @@ def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict
             return [make_row(case, ctx.profile, {"traffic": "all", "path": "graph"},
                              verification={"status": "failed", "error": str(e)})]
         rows = []
+        with nvtx_range(f"eager {case.label}"):  # every traffic, alternating
+            eager = bench_interleaved({t: (lambda b=b: rt.eager(b)) for t, (b, _) in
+                                       batches.items()}, device=ctx.device, reps=ctx.reps)
         for traffic, (batch, _) in batches.items():
             for path in PATHS:
-                fn = (rt.replay_only(batch) if path == "replay_only" else
-                      (lambda b=batch: rt.eager(b)) if path == "eager" else
-                      (lambda b=batch: rt.step(b)))
-                with nvtx_range(f"{path} {traffic} {case.label}"):
-                    t = bench_time(fn, device=ctx.device, reps=ctx.reps, warmup=3,
-                                   mode="latency" if path == "eager" else "events")
+                if path == "eager":
+                    t = eager[traffic]
+                else:
+                    fn = (rt.replay_only(batch) if path == "replay_only" else
+                          (lambda b=batch: rt.step(b)))
+                    with nvtx_range(f"{path} {traffic} {case.label}"):
+                        t = bench_time(fn, device=ctx.device, reps=ctx.reps, warmup=3,
+                                       mode="events")
                 derived = _derived(case, rt, t, ctx, None if path == "eager" else rt.last_kind)
                 if path == "graph":
                     derived |= rt.capture_stats
+                if path == "eager" and traffic == "lora" and "base" in eager:
+                    derived["eager_lora_over_base"] = pair_ratio(t, eager["base"])
                 rows.append(make_row(case, ctx.profile, {"traffic": traffic, "path": path},
                                      timing=t, derived=derived, verification=checks[traffic]))
         return rows

@@ -59,7 +59,7 @@ def _added(row: dict | None) -> str:
 MODEL_HEADERS = ["model", "bs", "adapters", "r", "eager, no LoRA", "graph step, no-LoRA runtime",
                  "graph step, LoRA runtime, base traffic", "graph step, LoRA traffic",
                  "replay only: base / LoRA", "LoRA cost: step / replay only",
-                 "graph speed-up, LoRA traffic"]
+                 "graph speed-up, LoRA traffic", "eager: LoRA / base traffic"]
 
 
 def model_table(rows: list[dict]) -> str:
@@ -70,10 +70,13 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """One line per LoRA runtime and batch size, next to the runtime without LoRA of the same
     model and batch size (microseconds)."""
     ok = [r for r in rows if r.get("stats")]
-    cell = {}
+    cell, eager_ratio = {}, {}
     for r in ok:
         base = (r["step"], r["preset"], r["layers"], r["context"], r["batch_size"], r["dtype"])
         cell[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = _med(r)
+        ratio = r.get("derived", {}).get("eager_lora_over_base")
+        if ratio is not None:
+            eager_ratio[(base, r["adapters"], r["ranks"])] = ratio
     out = []
     for (base, adapters, ranks, traffic, path) in cell:
         if not adapters or traffic != "lora" or path != "graph":
@@ -96,8 +99,13 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                     fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),
                     f"{fmt(nl('replay_only'), '.0f')} / {fmt(lo('lora', 'replay_only'), '.0f')}",
                     f"{fmt(step_cost)}% / {fmt(replay_cost)}%",
-                    "-" if gain is None else f"{gain:.1f}x"])
+                    "-" if gain is None else f"{gain:.1f}x",
+                    _ratio(eager_ratio.get((base, adapters, ranks)))])
     return MODEL_HEADERS, out
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _pct(x, base):

@@ -60,6 +60,31 @@ def bench_time(
     raise ValueError(f"mode must be 'graph', 'events' or 'latency', got {mode!r}")
 
 
+def bench_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.device,
+                      warmup: int = 3, reps: int = 30) -> dict[str, Timing]:
+    """Wall clock of each call to the end of its device work ("latency"), the calls of
+    ``fns`` alternating rep by rep: host-bound eager steps on a noisy host drift by tens of
+    percent between runs a minute apart, and alternating puts every function under the same
+    drift, so the ratio of two is comparable where their separate times are not."""
+    run = {k: (_synced(f, device) if device.type == "cuda" else f) for k, f in fns.items()}
+    for _ in range(warmup):
+        for f in run.values():
+            f()
+    out = {k: [] for k in run}
+    for _ in range(reps):
+        for k, f in run.items():
+            t0 = time.perf_counter()
+            f()
+            out[k].append((time.perf_counter() - t0) * 1e6)
+    return {k: Timing(v, "wall" if device.type != "cuda" else "interleaved") for k, v in
+            out.items()}
+
+
+def pair_ratio(num: Timing, den: Timing) -> float:
+    """Median of the rep-by-rep ratios of two interleaved timings."""
+    return statistics.median(a / b for a, b in zip(num.samples_us, den.samples_us, strict=True))
+
+
 def _synced(fn, device):
     def run():
         fn()

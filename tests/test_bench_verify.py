@@ -12,6 +12,7 @@ from bench.hardware import Ceilings
 from bench.logits_match import assert_logits_match
 from bench.model_bench import ModelCase, RuntimeCache, run_case
 from bench.model_runtime import BenchRuntime
+from bench.timing import Timing, bench_interleaved, pair_ratio
 
 CPU = torch.device("cpu")
 CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=2, profile="cpu")
@@ -52,6 +53,19 @@ def test_a_verified_case_times_every_traffic_and_path():
     assert {(r["traffic"], r["path"]) for r in rows} == {
         (t, p) for t in ("base", "lora") for p in ("eager", "graph", "replay_only")}
     assert all(r["verification"]["status"] == "verified" and r["stats"]["n"] == 2 for r in rows)
+    eager = {r["traffic"]: r for r in rows if r["path"] == "eager"}
+    want = pair_ratio(*(Timing(eager[t]["samples_us"], "wall") for t in ("lora", "base")))
+    assert eager["lora"]["derived"]["eager_lora_over_base"] == want > 0
+    assert "eager_lora_over_base" not in eager["base"]["derived"]
+
+
+def test_interleaved_timing_alternates_its_functions_and_pairs_their_reps():
+    calls = []
+    t = bench_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                          device=CPU, warmup=1, reps=3)
+    assert calls == ["a", "b"] * 4 and len(t["a"].samples_us) == len(t["b"].samples_us) == 3
+    ratio = pair_ratio(Timing([2.0, 9.0, 4.0], "wall"), Timing([1.0, 3.0, 1.0], "wall"))
+    assert ratio == 3.0  # the median of 2, 3 and 4: each rep against its own partner
 
 
 @pytest.mark.parametrize(("layers", "margin", "fails"), [
