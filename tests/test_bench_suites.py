@@ -6,6 +6,7 @@ throughput case interleaves its timed passes with a base runtime's."""
 from __future__ import annotations
 
 import re
+import statistics
 
 import pytest
 import torch
@@ -45,6 +46,11 @@ def test_idle_rows_are_verified_and_carry_the_report_fields(pair):
             assert d["graph_kind"] == (None if r["path"] == "eager" else "base")
             reads_weights = case is BASE or r["path"] == "graph"
             assert ("x_floor" in d) == reads_weights
+        # eager: the two runtimes alternate, each rep judged against its partner
+        eager = {r["runtime"]: r for r in mine if r["path"] == "eager"}
+        pairs = zip(eager["lora"]["samples_us"], eager["no_lora"]["samples_us"], strict=True)
+        want = 100 * (statistics.median(a / b for a, b in pairs) - 1)
+        assert eager["lora"]["derived"]["overhead_pct"] == pytest.approx(want)
     charts = pytest.importorskip("bench.report_charts")
     [fig] = charts.idle(rows)
     assert len(fig.data) == len(VARIANTS)
