@@ -175,10 +175,9 @@ def one_launch_lora(x: torch.Tensor, blocks: int, block_m: int, max_rank: int) -
     shrink beside the GEMM), few rows, and a bounded recomputation of the shrink
     (``blocks``: the layout's segment blocks of ``block_m`` rows)."""
     rows = x.shape[0]
-    if rows > ONE_LAUNCH_MAX_ROWS:
-        return False
-    rereads = blocks * (block_m + rank_block(max_rank))
-    if rows > ONE_LAUNCH_FREE_ROWS and rereads > ONE_LAUNCH_BUDGET:
+    if rows > ONE_LAUNCH_MAX_ROWS or (
+            rows > ONE_LAUNCH_FREE_ROWS
+            and blocks * (block_m + rank_block(max_rank)) > ONE_LAUNCH_BUDGET):
         return False
     return not tracing() and not (x.device.type == "cuda"
                                   and torch.cuda.is_current_stream_capturing())

@@ -168,13 +168,10 @@ class LoRABackend:
                 "Call LoRAManager.prepare_lora_batch(forward_batch) before the forward; layers "
                 f"must gate on lora_active, which is False while {state} is None"
             )
-        if rows is RowSet.TOKENS:
-            return self.batch_info.rows
-        if rows is RowSet.GATHERED:
-            return self.gathered_info
-        if self.logits_info is None:
+        layout = self.ready_layout(rows)
+        if layout is None:  # logits rows of a batch whose lm_head pass was not planned
             raise RuntimeError(f"{self.name} backend {what}: the batch has no lm_head pass")
-        return self.logits_info
+        return layout
 
     # -- kernels (subclasses) ---------------------------------------------------------------
     def shrink(self, x, weights, layout) -> torch.Tensor:
