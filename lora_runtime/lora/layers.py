@@ -39,8 +39,14 @@ class LoRALayer(nn.Module):
 class LinearWithLoRA(LoRALayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_active:
-            return self.backend.linear(self._base_call(), x.contiguous(), self.lora, self.rows)
+            y = self._one_launch(x)
+            return y if y is not None else self._split(x)
         return self._base_call()(x)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        """Base + LoRA as shrink and expand around the GEMM (one launch already ruled out)."""
+        return self.backend.linear_split(self._base_call(), x.contiguous(), self.lora,
+                                         self.rows)
 
     def _base_call(self):
         """The base layer as a function: ``F.linear`` on its parameters for a plain
@@ -86,9 +92,8 @@ class RowLinearWithLoRA(LinearWithLoRA):
             if y is not None:
                 return y, None
             out = self._delta_beside(x, "norm")
-            if out is not None:
-                return out
-        return self.forward(x), None  # not self(x): Module.__call__ costs host time
+            return out if out is not None else (self._split(x), None)
+        return self._base_call()(x), None
 
 
 class MLPRowLinearWithLoRA(RowLinearWithLoRA):
@@ -120,7 +125,8 @@ class DeferredExpandLinear(LinearWithLoRA):
             if self.backend.fuses_expand(x, self.consumer):
                 return self.backend.linear_deferred(self._base_call(), x.contiguous(),
                                                     self.lora, self.rows)
-        return self.forward(x), None  # not self(x): Module.__call__ costs host time
+            return self._split(x), None
+        return self._base_call()(x), None
 
 
 class QKVLinearWithLoRA(DeferredExpandLinear):

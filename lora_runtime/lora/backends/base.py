@@ -91,6 +91,12 @@ class LoRABackend:
         the LoRA kernels run beside the base GEMM (``linear_schedule``)."""
         if self.one_launch(x, weights, rows):
             return self.linear_one_launch(base, x, weights, rows)
+        return self.linear_split(base, x, weights, rows)
+
+    def linear_split(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                     weights: LoRAWeights, rows: RowSet = RowSet.TOKENS) -> torch.Tensor:
+        """``linear`` as shrink and expand around the base GEMM (the caller ruled out the
+        one-launch route)."""
         layout = self._layout(rows, "linear")
         return lora_linear(base, x, lambda v: self.shrink(v, weights, layout),
                            lambda a, y: self.expand(a, weights, y, layout))
