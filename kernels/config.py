@@ -183,11 +183,6 @@ def one_launch_lora(x: torch.Tensor, blocks: int, block_m: int, max_rank: int) -
                                   and torch.cuda.is_current_stream_capturing())
 
 
-LORA_GEMM_MAX_ROWS = int(os.environ.get("MULTILORA_LORA_GEMM_MAX_ROWS", "64"))
-"""Forwards of at most this many rows may run a LoRA projection as one kernel, the base GEMM
-with the LoRA term (``kernels.lora_gemm``; read at import, 0: never)."""
-
-
 PDL = os.environ.get("MULTILORA_PDL", "1") != "0"
 """``MULTILORA_PDL=0`` (read at import) turns programmatic dependent launch off (A/B runs)."""
 

@@ -42,15 +42,6 @@ class LoRAWeights:
     expand_checked: tuple | None = field(default=None, compare=False, repr=False)
     """``(lora_b, y dtype, y device)``, the same for ``check_expand_args``."""
 
-    sync: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    """int32 [3] counters of ``kernels.lora_gemm`` (zero between launches; see its hazards)."""
-
-    def gemm_sync(self) -> torch.Tensor:
-        """The module's ``lora_gemm`` counters on its device, made on first use."""
-        if self.sync is None or self.sync.device != self.lora_a.device:
-            self.sync = torch.zeros(3, dtype=torch.int32, device=self.lora_a.device)
-        return self.sync
-
     @property
     def num_slots(self) -> int:
         return self.lora_a.shape[0]
