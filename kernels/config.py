@@ -119,6 +119,34 @@ def row_epilogue(rows: int, consumer: str) -> bool:
     return rows <= ROW_EPILOGUE_MAX_ROWS[consumer]
 
 
+def eager(x: torch.Tensor) -> bool:
+    """Neither a CUDA graph capture nor a tracer is recording the kernels on ``x``."""
+    return not tracing() and not (x.device.type == "cuda"
+                                  and torch.cuda.is_current_stream_capturing())
+
+
+def row_shrink_k_block(block_r: int, k: int) -> int:
+    """K columns a by-rows consumer's shrink step loads: its A tile stays at 4096 elements."""
+    return max(16, min(4096 // block_r, next_pow2(k)))
+
+
+CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "16"))
+"""Eager forwards of at most this many rows leave a projection's whole LoRA term, shrink
+included, to the by-rows kernel that consumes its output (``kernels.row_lora``: qkv's to RoPE,
+gate_up's to SwiGLU, o_proj's and down's to the next norm): no LoRA launch at all. Read at
+import; 0: never."""
+
+
+def shrink_in_consumer(x: torch.Tensor, consumer: str) -> bool:
+    """Eager (no capture, no tracer), at most ``CONSUMER_SHRINK_MAX_ROWS`` rows, and a
+    consumer that runs by rows at this size ("norm" always does)."""
+    rows = x.shape[0]
+    if rows > CONSUMER_SHRINK_MAX_ROWS or (consumer != "norm"
+                                           and not row_epilogue(rows, consumer)):
+        return False
+    return eager(x)
+
+
 def row_block_n(block_r: int) -> int:
     """Columns of a by-rows epilogue program: its B tile (columns x rank block) stays at 4096
     elements per slice."""
@@ -179,8 +207,7 @@ def one_launch_lora(x: torch.Tensor, blocks: int, block_m: int, max_rank: int) -
             rows > ONE_LAUNCH_FREE_ROWS
             and blocks * (block_m + rank_block(max_rank)) > ONE_LAUNCH_BUDGET):
         return False
-    return not tracing() and not (x.device.type == "cuda"
-                                  and torch.cuda.is_current_stream_capturing())
+    return eager(x)
 
 
 PDL = os.environ.get("MULTILORA_PDL", "1") != "0"

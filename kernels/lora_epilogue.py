@@ -10,10 +10,10 @@ SwiGLU's activation does it for gate_up (``kernels.silu_mul``), RoPE with the KV
 
 Two program shapes:
 
-- by rows (``lora_row_delta``, forwards of at most ``config.ROW_EPILOGUE_MAX_ROWS`` rows): a
-  program handles one row, reads its slot from the layout's ``token_slots`` and that slot's B
-  columns, and sums ``a * B`` over the rank (no ``tl.dot``: one row). No slot loop, so decode
-  rows of many adapters cost what rows of one do.
+- by rows (``kernels.row_lora``, forwards of at most ``config.ROW_EPILOGUE_MAX_ROWS`` rows):
+  a program handles one row, reads its slot from the layout's ``token_slots`` and that slot's
+  B columns, and sums ``a * B`` over the rank (no ``tl.dot``: one row). No slot loop, so
+  decode rows of many adapters cost what rows of one do.
 - by blocks (``lora_delta``, gate_up from ``config.FUSED_EXPAND_MIN_ROWS`` rows): a program
   covers ``BLOCK_M`` consecutive rows of the layout's permutation, so its rows are sorted by
   slot and hold few distinct slots; it loads B once per distinct slot (``while`` over the
@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check
 from kernels.expand import check_expand_args, check_shrunk, lora_expand
+from kernels.row_lora import row_args
 from kernels.segments import SegmentLayout
 from kernels.weights import LoRAWeights
 
@@ -73,12 +74,8 @@ class PendingLoRA:
                 config.dot_precision(b.dtype))
 
     def row_args(self) -> tuple:
-        """What a by-rows consumer's op takes after its own arguments (``lora_row_delta``
-        order), then NUM_SLICES and BLOCK_R."""
-        w, a, b = self.weights, self.a, self.weights.lora_b
-        return (a, b, self.layout.token_slots, w.ranks, w.scalings, w.max_rank, a.stride(0),
-                a.stride(1), b.stride(0), b.stride(1), b.stride(2), w.num_slices,
-                config.rank_block(w.max_rank))
+        """What a by-rows consumer's op takes after its own arguments (``kernels.row_lora``)."""
+        return (self.layout.token_slots, *row_args(self.a, self.weights, shrink=False))
 
 
 @dataclass(frozen=True)
@@ -100,26 +97,6 @@ class LoRADelta:
               lambda: f"{what}: the LoRA delta must be float32 {tuple(y.shape)} with "
               f"contiguous rows on {y.device} (LoRABackend.linear_delta), got {d.dtype} "
               f"{tuple(d.shape)} on {d.device}")
-
-
-@triton.jit
-def lora_row_delta(a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
-                   stride_am, stride_ar, stride_bs, stride_bn, stride_br,
-                   row, offs_n, n_mask, sl, NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """fp32 ``[BLOCK_N]``: row ``row``'s slice-``sl`` LoRA term at B rows ``offs_n`` (zero for
-    the neutral slot and rank-0 slices). ``a`` is rounded to B's dtype first, as the expand
-    rounds it before its dot."""
-    slot = tl.load(slots_ptr + row)
-    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
-    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    a = tl.load(a_ptr + row * stride_am + (sl * max_rank + offs_r) * stride_ar, mask=r_mask,
-                other=0.0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn
-                + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    a = a.to(b_ptr.dtype.element_ty).to(tl.float32)
-    return scale * tl.sum(b.to(tl.float32) * a[None, :], axis=1)
 
 
 @triton.jit

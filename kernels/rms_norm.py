@@ -6,9 +6,11 @@ dtype where torch rounds it: ``s = x + residual`` (rounded), ``h = s * rsqrt(mea
 in fp32, rounded, then ``weight * h`` rounded. So the kernel and the torch reference agree to
 the last bit or so, and greedy tokens do not depend on the backend.
 
-``delta`` (float32, optional): the previous projection's LoRA term, computed beside its GEMM
-(``LoRABackend.linear_delta``) and added here first, rounded as the expand would round it:
-``x = round(x + delta)``.
+``lora`` (optional): the previous projection's LoRA term, added to ``x`` first and rounded as
+the expand would round it, ``x = round(x + term)``: a float32 delta computed beside its GEMM
+(``LoRADelta``), or a by-rows term (``kernels.row_lora``: pending, or unshrunk for eager
+forwards of few rows), which a program per row adds column chunk by column chunk before it
+normalises the summed row it stored.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import LoRADelta
+from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
 
 
@@ -45,26 +48,71 @@ def _rms_norm_kernel(x_ptr, res_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, cols, e
     tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, delta: torch.Tensor | None = None):
-    """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``; ``delta``
-    is added to ``x`` first.
+@triton.jit
+def _add_rms_norm_lora_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, cols, eps, stride_x, stride_r, stride_o,
+    stride_s, slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
+    stride_s0, stride_s1, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
+    NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    a, slot, rank, scale = row_lora_a(
+        slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K, stride_s0,
+        stride_s1, stride_as, stride_ar, stride_ak, row, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+    sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        mask = offs < cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + row_lora_term(a, b_ptr, slot, rank, scale, offs, mask,
+                                              stride_bs, stride_bn, stride_br, BLOCK_R)
+             ).to(x.dtype)
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+        h = x.to(tl.float32)
+        sq += h * h
+    inv = tl.rsqrt(tl.sum(sq, 0) / cols + eps)
+    tl.debug_barrier()  # the summed row this program stored, read back by every thread
+    for c0 in range(0, cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        mask = offs < cols
+        x = tl.load(sum_ptr + row * stride_s + offs, mask=mask, other=0.0)
+        h = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
-    ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension);
-    ``delta``: float32, the shape of ``x``, contiguous rows."""
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None,
+             lora: LoRADelta | PendingLoRA | UnshrunkLoRA | None = None):
+    """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``; ``lora``,
+    the LoRA term of the projection that produced ``x``, is added to ``x`` first.
+
+    ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension)."""
     check_dtype("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
           f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
     check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
           f"expected ({x.shape[1]},) (the hidden size of x)")
-    if delta is not None:
-        LoRADelta(delta).check(x, "rms_norm")
+    if lora is not None:
+        lora.check(x, "rms_norm")
+    delta = lora.delta if isinstance(lora, LoRADelta) else None
     if residual is None:
+        if lora is not None and delta is None:  # by rows only with a residual to store into
+            return _rms_norm_op(lora.apply(x.clone()), weight, eps)
         return _rms_norm_op(x, weight, eps, delta)
     check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,
           lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
           f"{tuple(residual.shape)}, {residual.dtype}")
-    return _add_rms_norm_op(x, residual, weight, eps, delta)
+    if lora is None or delta is not None:
+        return _add_rms_norm_op(x, residual, weight, eps, delta)
+    check(lora.weights.num_slices == 1,
+          lambda: f"rms_norm: a by-rows LoRA term must have one slice (o_proj, down_proj), "
+          f"got {lora.weights.num_slices}")
+    return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
 
 
 def _launch(x, residual, delta, weight, eps, out, summed) -> None:
@@ -107,4 +155,28 @@ def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, delta=None):
+    return _out(x, weight), torch.empty_like(x)
+
+
+@traced_op("multilora::add_rms_norm_lora", mutates_args=())
+def _add_rms_norm_lora_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    slots: torch.Tensor, src: torch.Tensor, la: torch.Tensor, b: torch.Tensor,
+    ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
+    s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int,
+    BLOCK_R: int, SHRINK: bool, BLOCK_K: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = _out(x, weight), torch.empty_like(x)
+    if x.shape[0]:
+        block = min(config.row_block_n(BLOCK_R), config.next_pow2(x.shape[1]))
+        _add_rms_norm_lora_kernel[(x.shape[0],)](
+            x, residual, weight, out, summed, x.shape[1], eps, x.stride(0), residual.stride(0),
+            out.stride(0), summed.stride(0), slots, src, la, b, ranks, scalings, max_rank, K,
+            s_s0, s_s1, s_as, s_ar, s_ak, s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES,
+            BLOCK_R=BLOCK_R, SHRINK=SHRINK, BLOCK_K=BLOCK_K, BLOCK=block, num_warps=4)
+    return out, summed
+
+
+@_add_rms_norm_lora_op.register_fake
+def _(x, residual, weight, eps, *args):
     return _out(x, weight), torch.empty_like(x)

@@ -7,9 +7,10 @@ Neox-style rotation (Llama's ``rotate_half``) with ``cos``/``sin`` tables of ``h
 columns whose two halves are equal. Rounds like the torch reference: the tables to the model
 dtype, then ``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum.
 
-With the qkv projection's pending LoRA term (``kernels.lora_epilogue``, decode-sized forwards)
-a program handles one head of one token, so that the B columns it adds spread over the grid:
-a token-per-program grid would read a whole B row block (qkv: 6144 x rank) in one program.
+With the qkv projection's pending or unshrunk LoRA term (``kernels.row_lora``, decode-sized
+forwards) a program handles one head of one token, so that the B columns it adds spread over
+the grid: a token-per-program grid would read a whole B row block (qkv: 6144 x rank) in one
+program.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import LoRADelta, PendingLoRA, lora_row_delta
+from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
 
 
@@ -97,21 +99,20 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v
 
 
 @triton.jit
-def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, sl,
-                    a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
-                    stride_am, stride_ar, stride_bs, stride_bn, stride_br, row,
-                    NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Halves (lo, hi) of the head vector at column ``col`` of a qkv row, its slice-``sl`` LoRA
-    term added and rounded as the expand rounds it."""
+def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, a, slot, rank, scale,
+                    b_ptr, stride_bs, stride_bn, stride_br, BLOCK_R: tl.constexpr):
+    """Halves (lo, hi) of the head vector at column ``col`` of a qkv row, its slice's LoRA
+    term (``row_lora_a``'s ``a, slot, rank, scale``) added and rounded as the expand rounds
+    it."""
     ptr = qkv_ptr + row_off + col + offs_d
-    lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
-            stride_bs, stride_bn, stride_br, row)
+    lora = (b_ptr, slot, rank, scale)
+    strides = (stride_bs, stride_bn, stride_br)
     lo = tl.load(ptr, mask=d_mask, other=0.0)
     hi = tl.load(ptr + half, mask=d_mask, other=0.0)
     lo = (lo.to(tl.float32)
-          + lora_row_delta(*lora, col + offs_d, d_mask, sl, NUM_SLICES, BLOCK_R)).to(lo.dtype)
+          + row_lora_term(a, *lora, col + offs_d, d_mask, *strides, BLOCK_R)).to(lo.dtype)
     hi = (hi.to(tl.float32)
-          + lora_row_delta(*lora, col + half + offs_d, d_mask, sl, NUM_SLICES, BLOCK_R)
+          + row_lora_term(a, *lora, col + half + offs_d, d_mask, *strides, BLOCK_R)
           ).to(lo.dtype)
     return lo, hi
 
@@ -119,9 +120,11 @@ def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, sl,
 @triton.jit
 def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v_ptr,
                          heads, kv_heads, half, stride_qkv, stride_q, stride_k, stride_v,
-                         stride_tab, a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
-                         stride_am, stride_ar, stride_bs, stride_bn, stride_br,
+                         stride_tab, slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr,
+                         max_rank, K, stride_s0, stride_s1, stride_as, stride_ar, stride_ak,
+                         stride_bs, stride_bn, stride_br,
                          NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
+                         SHRINK: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_HALF: tl.constexpr):
     """Grid (tokens, heads + kv_heads): program ``h < heads`` rotates q head ``h``; program
     ``heads + j`` rotates k head ``j`` and copies v head ``j`` into the caches. Head ``h``'s
@@ -130,12 +133,15 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
     h = tl.program_id(1)
     offs_d, d_mask, cos, sin = _cos_sin(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, half, stride_tab,
                                         BLOCK_HALF)
-    lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
-            stride_bs, stride_bn, stride_br, t)
+    lora = (slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K, stride_s0,
+            stride_s1, stride_as, stride_ar, stride_ak, t)
+    b = (b_ptr, stride_bs, stride_bn, stride_br)
     row = t * stride_qkv
     is_q = h < heads
-    lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half,
-                             tl.where(is_q, 0, 1), *lora, NUM_SLICES, BLOCK_R)
+    a, slot, rank, scale = row_lora_a(*lora, tl.where(is_q, 0, 1), NUM_SLICES, BLOCK_R,
+                                      SHRINK, BLOCK_K)
+    lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half, a, slot, rank,
+                             scale, *b, BLOCK_R)
     lo, hi = _rotate_halves(lo, hi, cos, sin)
     if is_q:
         out = q_ptr + t * stride_q + h * 2 * half + offs_d
@@ -143,13 +149,14 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
         tl.store(out + half, hi, mask=d_mask)
     else:
         j = h - heads
-        slot = tl.load(loc_ptr + t).to(tl.int64)
-        out = k_ptr + slot * stride_k + j * 2 * half + offs_d
+        cache_slot = tl.load(loc_ptr + t).to(tl.int64)
+        out = k_ptr + cache_slot * stride_k + j * 2 * half + offs_d
         tl.store(out, lo, mask=d_mask)
         tl.store(out + half, hi, mask=d_mask)
+        a, slot, rank, scale = row_lora_a(*lora, 2, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
         v_lo, v_hi = _head_with_lora(qkv_ptr, row, (heads + kv_heads + j) * 2 * half, offs_d,
-                                     d_mask, half, 2, *lora, NUM_SLICES, BLOCK_R)
-        dst = v_ptr + slot * stride_v + j * 2 * half + offs_d
+                                     d_mask, half, a, slot, rank, scale, *b, BLOCK_R)
+        dst = v_ptr + cache_slot * stride_v + j * 2 * half + offs_d
         tl.store(dst, v_lo, mask=d_mask)
         tl.store(dst + half, v_hi, mask=d_mask)
 
@@ -157,11 +164,12 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
 def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, heads: int,
-                      lora: PendingLoRA | LoRADelta | None = None) -> torch.Tensor:
+                      lora: PendingLoRA | UnshrunkLoRA | LoRADelta | None = None
+                      ) -> torch.Tensor:
     """``qkv [T, (heads + 2 * kv_heads) * head_dim]`` -> rotated ``q [T, heads, head_dim]``;
     rotated k and v written to ``k_cache``/``v_cache`` (``[slots, kv_heads, head_dim]``) at
     the slots ``cache_loc [T]``, token by token. ``lora``: the qkv projection's LoRA term
-    (three slices: q, k, v), pending or as a delta, added first."""
+    (three slices: q, k, v), pending, unshrunk or as a delta, added first."""
     check_dtype("qkv", qkv)
     slots, kv_heads, head_dim = k_cache.shape
     t = qkv.shape[0]
@@ -230,19 +238,20 @@ def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads, delta=None):
 @traced_op("multilora::rope_and_cache_kv_lora", mutates_args=("k_cache", "v_cache"))
 def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, heads: int, a: torch.Tensor, b: torch.Tensor,
-                     slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
-                     max_rank: int, s_am: int, s_ar: int, s_bs: int, s_bn: int, s_br: int,
-                     NUM_SLICES: int, BLOCK_R: int) -> torch.Tensor:
+                     v_cache: torch.Tensor, heads: int, slots: torch.Tensor, src: torch.Tensor,
+                     la: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+                     scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
+                     s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int,
+                     NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int) -> torch.Tensor:
     q = _q(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
         _rope_kv_lora_kernel[(t, heads + kv_heads)](
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
-            a, b, slots, ranks, scalings, max_rank, s_am, s_ar, s_bs, s_bn, s_br,
-            NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, BLOCK_HALF=config.next_pow2(half),
-            num_warps=2)
+            slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
+            s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
+            BLOCK_K=BLOCK_K, BLOCK_HALF=config.next_pow2(half), num_warps=2)
     return q
 
 

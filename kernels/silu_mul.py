@@ -11,18 +11,15 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import (
-    FUSE_BLOCK_M,
-    LoRADelta,
-    PendingLoRA,
-    lora_delta,
-    lora_row_delta,
-    lora_rows,
-)
+from kernels.lora_epilogue import FUSE_BLOCK_M, LoRADelta, PendingLoRA, lora_delta, lora_rows
+from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
 
 BLOCK = 1024
 LORA_BLOCK_N = 128
+SHRINK_GROUPS = 8
+"""Column groups of a row when each program computes the row's shrink (``UnshrunkLoRA``):
+every group recomputes it (A's two slices, 2 x rank x hidden elements)."""
 
 
 @triton.jit
@@ -74,32 +71,40 @@ def _silu_mul_lora_kernel(
 @triton.jit
 def _silu_mul_lora_rows_kernel(
     x_ptr, out_ptr, inter, stride_x, stride_o,
-    a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank,
-    stride_am, stride_ar, stride_bs, stride_bn, stride_br,
-    NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
+    stride_s0, stride_s1, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
+    NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
+    """Grid (rows, column groups): a program's ``a`` (both slices) serves ``TILES`` tiles of
+    ``BLOCK_N`` columns."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < inter
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
-    lora = (a_ptr, b_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, stride_am, stride_ar,
-            stride_bs, stride_bn, stride_br, row)
-    gate = (gate.to(tl.float32)
-            + lora_row_delta(*lora, offs, mask, 0, NUM_SLICES, BLOCK_R)).to(gate.dtype)
-    up = (up.to(tl.float32)
-          + lora_row_delta(*lora, inter + offs, mask, 1, NUM_SLICES, BLOCK_R)).to(gate.dtype)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    lora = (slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K, stride_s0,
+            stride_s1, stride_as, stride_ar, stride_ak, row)
+    a_g, slot_g, rank_g, scale_g = row_lora_a(*lora, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+    a_u, slot_u, rank_u, scale_u = row_lora_a(*lora, 1, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+    for i in range(TILES):
+        offs = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = offs < inter
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
+        gate = (gate.to(tl.float32) + row_lora_term(
+            a_g, b_ptr, slot_g, rank_g, scale_g, offs, mask, stride_bs, stride_bn, stride_br,
+            BLOCK_R)).to(gate.dtype)
+        up = (up.to(tl.float32) + row_lora_term(
+            a_u, b_ptr, slot_u, rank_u, scale_u, inter + offs, mask, stride_bs, stride_bn,
+            stride_br, BLOCK_R)).to(gate.dtype)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | LoRADelta | None = None
-             ) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor,
+             lora: PendingLoRA | UnshrunkLoRA | LoRADelta | None = None) -> torch.Tensor:
     """``gate_up [rows, 2 * inter]`` (gate first, then up) -> ``[rows, inter]``. ``lora``: the
-    gate_up projection's LoRA term (two slices: gate, up), pending or as a delta, added
-    first."""
+    gate_up projection's LoRA term (two slices: gate, up), pending, unshrunk or as a delta,
+    added first."""
     check_dtype("gate_up", gate_up)
     check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(-1) == 1,
           lambda: f"gate_up must be [rows, 2 * intermediate] with contiguous rows, got shape "
@@ -116,6 +121,8 @@ def silu_mul(gate_up: torch.Tensor, lora: PendingLoRA | LoRADelta | None = None
           f"{gate_up.shape[1] // 2} columns each")
     if config.row_epilogue(gate_up.shape[0], "silu_mul"):
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
+    if isinstance(lora, UnshrunkLoRA):  # no by-blocks shrink: the one-launch term, on a copy
+        return _silu_mul_op(lora.apply(gate_up.clone()))
     return _silu_mul_lora_op(gate_up, *lora.fused_args())
 
 
@@ -168,18 +175,23 @@ def _(gate_up, *args):
 
 @traced_op("multilora::silu_mul_lora_rows", mutates_args=())
 def _silu_mul_lora_rows_op(
-    gate_up: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-    ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, s_am: int, s_ar: int,
-    s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int, BLOCK_R: int,
+    gate_up: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, la: torch.Tensor,
+    b: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, K: int,
+    s_s0: int, s_s1: int, s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int,
+    NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int,
 ) -> torch.Tensor:
     out = _out(gate_up)
     rows, inter = out.shape
     if rows:
         block_n = min(config.row_block_n(BLOCK_R), config.next_pow2(inter))
-        _silu_mul_lora_rows_kernel[(rows, config.cdiv(inter, block_n))](
+        tiles = config.cdiv(inter, block_n)
+        # A program that computes its row's shrink serves more columns with it.
+        per_program = config.cdiv(tiles, SHRINK_GROUPS) if SHRINK else 1
+        _silu_mul_lora_rows_kernel[(rows, config.cdiv(tiles, per_program))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0),
-            a, b, slots, ranks, scalings, max_rank, s_am, s_ar, s_bs, s_bn, s_br,
-            NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=4)
+            slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
+            s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
+            BLOCK_K=BLOCK_K, BLOCK_N=block_n, TILES=per_program, num_warps=4)
     return out
 
 

@@ -194,6 +194,13 @@ MUTANTS = [
            (("            x, layout.block_slots.shape[0], layout.block_m, weights.max_rank)",
              "            x, 0, layout.block_m, 0)"),),
            ("tests/test_linear_schedule.py",)),
+    Mutant("consumer_shrink_reads_slice_zero",
+           "a consumer that computes the shrink itself reads every slice's A rows from slice 0",
+           "kernels/row_lora.py",
+           (("                  + (sl * max_rank + offs_r)[:, None] * stride_ar)",
+             "                  + offs_r[:, None] * stride_ar)"),),
+           ("tests/test_fused_expand.py::test_rope_with_the_qkv_term_matches_expand_then_rope"
+            "[torch.float32-unshrunk]",)),
     Mutant("refresh_skipped_for_any_spec",
            "a static layout claims to hold whatever spec it is asked about (refreshes skipped)",
            "kernels/segments.py",

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import kernels.rms_norm as norm_module
 import kernels.rope_kv as rope_module
+import kernels.shrink_expand as shrink_expand_module
 import kernels.silu_mul as silu_module
 from kernels import (
     LoRAWeights,
@@ -30,7 +31,9 @@ from kernels import (
 )
 from kernels.expand import lora_expand
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
+from kernels.row_lora import UnshrunkLoRA
 from kernels.silu_mul import silu_mul
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
@@ -38,14 +41,19 @@ from lora_runtime.model.backend import use_base_backend
 EXAMPLES = 25 if ON_GPU else 8
 EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul"), 10**9),
              "blocks": dict.fromkeys(("rope", "silu_mul"), -1),
-             "delta": dict.fromkeys(("rope", "silu_mul"), 10**9)}
+             "delta": dict.fromkeys(("rope", "silu_mul"), 10**9),
+             "unshrunk": dict.fromkeys(("rope", "silu_mul"), 10**9)}
 """``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape; "delta": the term expanded
-beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwise."""
+beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwise;
+"unshrunk": the consumer computes the shrink too (``UnshrunkLoRA``, by rows)."""
 
 
-def _term(epilogue: str, lora: PendingLoRA):
-    """The consumer's ``lora`` argument: the pending term, or its delta as
-    ``LoRABackend.linear_delta`` builds it (the expand into zeros)."""
+def _term(epilogue: str, lora: PendingLoRA, x: torch.Tensor):
+    """The consumer's ``lora`` argument: the pending term, its delta as
+    ``LoRABackend.linear_delta`` builds it (the expand into zeros), or the input ``x`` for
+    the consumer to shrink."""
+    if epilogue == "unshrunk":
+        return UnshrunkLoRA(x, lora.weights, lora.layout)
     if epilogue != "delta":
         return lora
     delta = torch.zeros(lora.a.shape[0], lora.weights.lora_b.shape[1], device=DEVICE)
@@ -112,7 +120,7 @@ def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dt
     inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
     x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype)
     y = torch.randn(x.shape[0], 2 * inter, generator=g).to(dtype).to(DEVICE)
-    got = silu_mul(y, _term(epilogue, lora))
+    got = silu_mul(y, _term(epilogue, lora, x))
     assert got.shape == (x.shape[0], inter) and torch.isfinite(got).all()
     want = silu_mul(lora.apply(y.clone()))
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
@@ -159,7 +167,7 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
 
     (k_got, v_got), (k_want, v_want) = caches(), caches()
     qkv_in = qkv.clone()
-    q = rope_and_cache_kv(qkv, pos, cos, sin, loc, k_got, v_got, heads, _term(epilogue, lora))
+    q = rope_and_cache_kv(qkv, pos, cos, sin, loc, k_got, v_got, heads, _term(epilogue, lora, x))
     assert torch.equal(qkv, qkv_in), "qkv is an input: the term is added to a copy or in registers"
     q_want = rope_and_cache_kv(lora.apply(qkv.clone()), pos, cos, sin, loc, k_want, v_want,
                                heads)
@@ -177,6 +185,47 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
     assert rel_err(k_got[loc], _rope_f64(k64.reshape(t, kv_heads, head_dim), pos, cos, sin)) \
         <= 4 * TOL[dtype]
     assert rel_err(v_got[loc], v64.reshape(t, kv_heads, head_dim)) <= 4 * TOL[dtype]
+
+
+@pytest.mark.parametrize("epilogue", ["rows", "unshrunk"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data(), seed=st.integers(0, 2**16), with_residual=st.booleans())
+def test_norm_with_a_by_rows_term_matches_expand_then_norm(epilogue, dtype, data, seed,
+                                                           with_residual):
+    """o_proj's or down's term, pending or unshrunk, added row by row before the residual
+    add and the norm; without a residual, added to a copy first."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = data.draw(st.sampled_from([16, 40, 136] + ([4096] if ON_GPU else [])))
+    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [hidden], dtype)
+    t = x.shape[0]
+    y, res = (torch.randn(t, hidden, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    residual, y_in = res if with_residual else None, y.clone()
+    got = rms_norm(y, nw, 1e-5, residual, _term(epilogue, lora, x))
+    assert torch.equal(y, y_in), "x is an input: the term is added in registers or to a copy"
+    want = rms_norm(lora.apply(y.clone()), nw, 1e-5, residual)
+    for a, b in zip(got, want, strict=True) if with_residual else [(got, want)]:
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+    s64 = y.double().cpu() + lora_delta_f64(x, w, token_slots)
+    if with_residual:
+        s64 = s64 + res.double().cpu()
+        assert rel_err(got[1], s64) <= 4 * TOL[dtype]
+    ref = nw.double().cpu() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert rel_err(got[0] if with_residual else got, ref) <= 4 * TOL[dtype]
+
+
+def test_norm_refuses_a_term_of_several_slices():
+    g = torch.Generator().manual_seed(0)
+    layout = SegmentLayout.from_plan(plan_segments([0, 1], block_m=16), DEVICE)
+    w = _weights(g, 2, 8, [8, 8], 4, torch.float32)
+    x, y = torch.randn(2, 8, device=DEVICE), torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="must have one slice"):
+        rms_norm(y, torch.ones(16, device=DEVICE), 1e-5, y.clone(), UnshrunkLoRA(x, w, layout))
+    with pytest.raises(ValueError, match="covers 2 rows but the input has 3"):
+        rms_norm(y, torch.ones(16, device=DEVICE), 1e-5, y.clone(),
+                 UnshrunkLoRA(torch.randn(3, 8, device=DEVICE), w, layout))
 
 
 def test_rope_refuses_a_term_of_another_projection():
@@ -207,12 +256,15 @@ def test_fused_silu_mul_refuses_a_term_of_another_projection():
         silu_mul(torch.randn(3, 24, device=DEVICE), PendingLoRA(torch.zeros(3, 32), w2, layout))
 
 
-def _count_calls(monkeypatch, module, name: str, delta_at: int | None = None) -> list:
-    """Calls of ``module.name`` (with ``delta_at``: those given a delta at that position)."""
+def _count_calls(monkeypatch, module, name: str, delta_at: int | None = None,
+                 when=None) -> list:
+    """Calls of ``module.name`` (with ``delta_at``: those given a delta at that position;
+    with ``when``: those whose arguments it accepts)."""
     calls, op = [], getattr(module, name)
 
     def counted(*a):
-        if delta_at is None or (len(a) > delta_at and a[delta_at] is not None):
+        if (delta_at is None or (len(a) > delta_at and a[delta_at] is not None)) and (
+                when is None or when(a)):
             calls.append(1)
         return op(*a)
 
@@ -230,7 +282,16 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     monkeypatch.setattr(config, "FUSED_EXPAND_MIN_ROWS", 0)
     monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
-    if epilogue == "delta":  # every projection's term as a delta, added by the next kernel
+    monkeypatch.setattr(config, "CONSUMER_SHRINK_MAX_ROWS", 10**9 * (epilogue == "unshrunk"))
+    norm_calls = [1]
+    if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
+        shrinks = lambda a: a[-2] is True  # noqa: E731  (the ops' SHRINK argument)
+        calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op", when=shrinks)
+        rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op", when=shrinks)
+        norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
+                                  when=shrinks)
+        one_launch = _count_calls(monkeypatch, shrink_expand_module, "_shrink_expand_op")
+    elif epilogue == "delta":  # every projection's term as a delta, added by the next kernel
         monkeypatch.setattr(config, "delta_beside", lambda x, consumer: True)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_op", delta_at=1)
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_op", delta_at=8)
@@ -258,4 +319,5 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
     assert rope_calls, "RoPE with the qkv term never ran"
-    assert epilogue != "delta" or norm_calls, "no norm added a LoRA delta"
+    assert norm_calls, "no norm added a LoRA term"
+    assert epilogue != "unshrunk" or not one_launch, "an eager LoRA term was launched"

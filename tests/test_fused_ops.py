@@ -39,7 +39,8 @@ def test_rms_norm(dtype, rows, hidden, with_residual, with_delta, seed):
     delta = 0.3 * _randn(rows, hidden, g=g, dtype=torch.float32) if with_delta else None
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
     x_in, delta_in = x.clone(), None if delta is None else delta.clone()
-    got = rms_norm(x, w, 1e-5, res if with_residual else None, delta)
+    got = rms_norm(x, w, 1e-5, res if with_residual else None,
+                   None if delta is None else LoRADelta(delta))
     assert torch.equal(x, x_in) and (delta is None or torch.equal(delta, delta_in))
     s64 = (x.double() + (0 if delta is None else delta.double())
            + (res.double() if with_residual else 0))
@@ -121,7 +122,7 @@ def test_bad_inputs_are_named():
         rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, x[:1])
     for bad in (x.half(), torch.zeros(1, 8, device=DEVICE), torch.zeros(8, 2, device=DEVICE).t()):
         with pytest.raises(ValueError, match="delta must be float32"):
-            rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, x, bad)
+            rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, x, LoRADelta(bad))
     with pytest.raises(ValueError, match="gate_up must be"):
         silu_mul(torch.randn(2, 7, device=DEVICE))
     cache = torch.zeros(4, 1, 8, device=DEVICE)

@@ -67,6 +67,15 @@ class LinearWithLoRA(LoRALayer):
                                                   self.rows)
         return None
 
+    def _unshrunk(self, x: torch.Tensor, consumer: str):
+        """``(output, UnshrunkLoRA)`` where the backend leaves the whole LoRA term to
+        ``consumer`` (eager, few rows: no LoRA launch; ``backend.shrinks_in_consumer``), else
+        None. Checked before the one-launch route, which still launches."""
+        if self.backend.shrinks_in_consumer(x, consumer):
+            return self.backend.linear_unshrunk(self._base_call(), x.contiguous(), self.lora,
+                                                self.rows)
+        return None
+
     def _delta_beside(self, x: torch.Tensor, consumer: str):
         """``(output, LoRADelta)`` where the backend computes the LoRA term beside the GEMM
         for ``consumer`` to add (``backend.expand_beside``), else None."""
@@ -84,10 +93,14 @@ class RowLinearWithLoRA(LinearWithLoRA):
     """o_proj. Its output goes to the residual add + RMSNorm, which may add its LoRA term."""
 
     def forward_delta(self, x: torch.Tensor):
-        """``(output, LoRADelta or None)``: where the backend computes the LoRA term beside
-        the GEMM (``backend.expand_beside``), it is returned as a delta for the next norm to
-        add; otherwise it is already in the output."""
+        """``(output, LoRADelta or UnshrunkLoRA or None)``: where the backend leaves the LoRA
+        term to the next norm (``backend.shrinks_in_consumer``) or computes it beside the
+        GEMM (``backend.expand_beside``), it is returned for the norm to add; otherwise it is
+        already in the output."""
         if self.lora_active:
+            out = self._unshrunk(x, "norm")
+            if out is not None:
+                return out
             y = self._one_launch(x)
             if y is not None:
                 return y, None
@@ -111,11 +124,15 @@ class DeferredExpandLinear(LinearWithLoRA):
     consumer: str
 
     def forward_deferred(self, x: torch.Tensor):
-        """``(output, PendingLoRA or LoRADelta or None)``: where the backend computes the term
-        beside the GEMM (``backend.expand_beside``) it comes as a delta, where it leaves the
-        expand to the consumer (``backend.fuses_expand``) as a pending term, for the consumer
-        to add; otherwise it is already in the output."""
+        """``(output, UnshrunkLoRA or PendingLoRA or LoRADelta or None)``: where the backend
+        leaves the whole term to the consumer (``backend.shrinks_in_consumer``) it comes
+        unshrunk, where it computes the term beside the GEMM (``backend.expand_beside``) as a
+        delta, where it leaves the expand to the consumer (``backend.fuses_expand``) as a
+        pending term, for the consumer to add; otherwise it is already in the output."""
         if self.lora_active:
+            out = self._unshrunk(x, self.consumer)
+            if out is not None:
+                return out
             y = self._one_launch(x)
             if y is not None:
                 return y, None

@@ -13,6 +13,7 @@ from torch import nn
 from kernels.lora_epilogue import LoRADelta
 from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
+from kernels.row_lora import UnshrunkLoRA
 from kernels.silu_mul import silu_mul as silu_mul_triton
 from lora_runtime.model.backend import base_backend
 from lora_runtime.model.config import LlamaConfig
@@ -25,13 +26,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                lora: LoRADelta | None = None):
+                lora: LoRADelta | UnshrunkLoRA | None = None):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``lora``:
-        the previous projection's LoRA term as a delta (``LoRABackend.linear_delta``), added
-        to ``x`` first."""
+        the previous projection's LoRA term, as a delta (``LoRABackend.linear_delta``) or
+        unshrunk (``LoRABackend.linear_unshrunk``), added to ``x`` first."""
         if base_backend(x.device) == "triton":
-            return rms_norm(x, self.weight, self.eps, residual,
-                            None if lora is None else lora.delta)
+            return rms_norm(x, self.weight, self.eps, residual, lora)
         if lora is not None:
             x = lora.apply(x)
         if residual is not None:

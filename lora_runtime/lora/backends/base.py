@@ -130,6 +130,20 @@ class LoRABackend:
         a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x.device)
         return y, PendingLoRA(a, weights, layout)
 
+    def shrinks_in_consumer(self, x: torch.Tensor, consumer: str) -> bool:
+        """Whether a projection of ``x``'s rows leaves its whole LoRA term, shrink included,
+        to ``consumer`` ("rope", "silu_mul", "norm"; ``linear_unshrunk``): only backends
+        whose consumer kernels compute it (eager forwards of few rows)."""
+        return False
+
+    def linear_unshrunk(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                        weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
+        """``(base(x), UnshrunkLoRA)``: no LoRA kernel here; the consumer of the output
+        computes each row's term from ``x`` (``kernels.row_lora``)."""
+        from kernels.row_lora import UnshrunkLoRA
+
+        return base(x), UnshrunkLoRA(x, weights, self._layout(rows, "linear"))
+
     def expand_beside(self, x: torch.Tensor, consumer: str) -> bool:
         """Whether a projection of ``x``'s rows computes its LoRA term beside the base GEMM
         into a float32 delta that ``consumer`` adds (``linear_delta``; "norm" for o_proj and

@@ -19,6 +19,9 @@ class TritonBackend(LoRABackend):
     def fuses_expand(self, x, consumer):
         return config.expand_in_consumer(x, consumer)
 
+    def shrinks_in_consumer(self, x, consumer):
+        return config.shrink_in_consumer(x, consumer)
+
     def expand_beside(self, x, consumer):
         return config.delta_beside(x, consumer)
 

@@ -1,0 +1,111 @@
+"""A projection's LoRA term added row by row inside the kernel that consumes its output
+(RoPE with the KV write, SwiGLU's activation, the residual add + RMSNorm).
+
+A by-rows consumer program handles one row (or one head of it): it reads the row's slot from
+the layout's ``token_slots`` and adds ``scaling * round(a) @ B[slot, cols]^T`` to its columns
+(``row_lora_term``: a sum over the rank, no ``tl.dot``), rounded to the output's dtype as
+``lora_expand`` rounds it. ``a`` comes from one of two places (``row_lora_a``):
+
+- loaded (``kernels.lora_epilogue.PendingLoRA``): the shrink ran before, beside the GEMM;
+- computed by the program itself (``UnshrunkLoRA``, ``SHRINK``): the row's ``x @ A^T`` over
+  the whole K. An eager forward of a few rows is bound by host time (~70 us a launch on the
+  H200 host), and this leaves LoRA no launch of its own: the consumer runs anyway. Every
+  program recomputes its row's shrink (RoPE: one per head), so it is chosen for few rows only
+  (``config.shrink_in_consumer``).
+
+Hazard: a row of the neutral slot has rank 0, and the neutral slot has no A or B row: every
+A and B load is masked by the rank, and the shrink's loop is empty for rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import config
+from kernels.expand import check_expand_args
+from kernels.segments import SegmentLayout
+from kernels.shrink import check_shrink_args
+from kernels.shrink_expand import lora_shrink_expand
+from kernels.weights import LoRAWeights
+
+
+def row_args(src: torch.Tensor, weights: LoRAWeights, shrink: bool) -> tuple:
+    """What a by-rows consumer's op takes after its own arguments but the layout's
+    ``token_slots`` (``row_lora_a`` order, then NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K; the B
+    strides after K's): ``src`` is ``a`` (``shrink`` False) or the projection's input."""
+    w, a, b = weights, weights.lora_a, weights.lora_b
+    block_r = config.rank_block(w.max_rank)
+    k = src.shape[1] if shrink else 0
+    return (src, a, b, w.ranks, w.scalings, w.max_rank, k, src.stride(0), src.stride(1),
+            a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+            w.num_slices, block_r, shrink, config.row_shrink_k_block(block_r, max(k, 1)))
+
+
+@dataclass(frozen=True)
+class UnshrunkLoRA:
+    """A projection's whole LoRA term left to the consumer of its output: its input ``x``
+    (``[rows, in]``, contiguous rows) for the rows of ``layout``. A by-rows consumer computes
+    the shrink and the expand itself (``row_args``); ``apply`` adds the term in place with
+    the one-launch kernel."""
+
+    x: torch.Tensor
+    weights: LoRAWeights
+    layout: SegmentLayout
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        lora_shrink_expand(self.x, self.weights, y, self.layout)
+        return y
+
+    def check(self, y: torch.Tensor, what: str) -> None:
+        check_expand_args(self.weights, y, self.layout, what)
+        check_shrink_args(self.x, self.weights, self.layout, what)  # x's rows: the layout's
+
+    def row_args(self) -> tuple:
+        return (self.layout.token_slots, *row_args(self.x, self.weights, shrink=True))
+
+
+@triton.jit
+def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
+               stride_s0, stride_s1, stride_as, stride_ar, stride_ak, row, sl,
+               NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """``(a, slot, rank, scaling)`` of row ``row``'s slice ``sl``: ``a`` fp32 ``[BLOCK_R]``,
+    rounded to B's dtype as the expand rounds it, zero past ``rank``; loaded from ``src``
+    (``a``), or with ``SHRINK`` computed from ``src`` (``x``) and A over the whole K."""
+    slot = tl.load(slots_ptr + row)
+    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
+    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    if SHRINK:
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        a_base = (la_ptr + slot.to(tl.int64) * stride_as
+                  + (sl * max_rank + offs_r)[:, None] * stride_ar)
+        k_end = tl.where(rank > 0, K, 0)
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(src_ptr + row * stride_s0 + offs_k * stride_s1, mask=k_mask, other=0.0)
+            w = tl.load(a_base + offs_k[None, :] * stride_ak,
+                        mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        a = acc
+    else:
+        a = tl.load(src_ptr + row * stride_s0 + (sl * max_rank + offs_r) * stride_s1,
+                    mask=r_mask, other=0.0)
+    return a.to(b_ptr.dtype.element_ty).to(tl.float32), slot, rank, scale
+
+
+@triton.jit
+def row_lora_term(a, b_ptr, slot, rank, scale, offs_n, n_mask, stride_bs, stride_bn, stride_br,
+                  BLOCK_R: tl.constexpr):
+    """fp32 ``[BLOCK_N]``: ``scale * a @ B[slot, offs_n]^T`` (zero for rank 0)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn
+                + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    return scale * tl.sum(b.to(tl.float32) * a[None, :], axis=1)
