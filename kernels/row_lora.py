@@ -36,13 +36,23 @@ from kernels.weights import LoRAWeights
 def row_args(src: torch.Tensor, weights: LoRAWeights, shrink: bool) -> tuple:
     """What a by-rows consumer's op takes after its own arguments but the layout's
     ``token_slots`` (``row_lora_a`` order, then NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K; the B
-    strides after K's): ``src`` is ``a`` (``shrink`` False) or the projection's input."""
-    w, a, b = weights, weights.lora_a, weights.lora_b
-    block_r = config.rank_block(w.max_rank)
+    strides after A's): ``src`` is ``a`` (``shrink`` False) or the projection's input."""
+    c = _constants(weights)
     k = src.shape[1] if shrink else 0
-    return (src, a, b, w.ranks, w.scalings, w.max_rank, k, src.stride(0), src.stride(1),
-            a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            w.num_slices, block_r, shrink, config.row_shrink_k_block(block_r, max(k, 1)))
+    return (src, *c[:5], k, src.stride(0), src.stride(1), *c[5:], shrink,
+            config.row_shrink_k_block(c[-1], max(k, 1)))
+
+
+def _constants(w: LoRAWeights) -> tuple:
+    """A, B, ranks, scalings, max_rank, A's and B's strides, NUM_SLICES, BLOCK_R: built once
+    per weights (fixed buffers that the slot pool writes in place)."""
+    c = w.row_constants
+    if c is None or not (c[0] is w.lora_a and c[1] is w.lora_b and c[2] is w.ranks
+                         and c[3] is w.scalings):
+        a, b = w.lora_a, w.lora_b
+        c = w.row_constants = (a, b, w.ranks, w.scalings, w.max_rank, *a.stride(), *b.stride(),
+                               w.num_slices, config.rank_block(w.max_rank))
+    return c
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,21 @@ class UnshrunkLoRA:
         return y
 
     def check(self, y: torch.Tensor, what: str) -> None:
-        check_expand_args(self.weights, y, self.layout, what)
-        check_shrink_args(self.x, self.weights, self.layout, what)  # x's rows: the layout's
+        """The expand's and the shrink's checks in full once per signature of the weights,
+        ``x`` and ``y`` (a consumer's eager checks cost host time at every step); after that
+        the rows and the layout's device only."""
+        x, w, layout = self.x, self.weights, self.layout
+        sig = (x.dtype, y.dtype, y.device, x.shape[1:], y.shape[1:], x.stride(-1),
+               y.stride(-1))
+        seen = w.unshrunk_checked
+        if (seen is not None and seen[0] is w.lora_a and seen[1] is w.lora_b
+                and seen[2] == sig and layout is not None
+                and layout.num_rows == x.shape[0] == y.shape[0]
+                and layout.checked_on == y.device):
+            return
+        check_expand_args(w, y, layout, what)
+        check_shrink_args(x, w, layout, what)
+        w.unshrunk_checked = (w.lora_a, w.lora_b, sig)
 
     def row_args(self) -> tuple:
         return (self.layout.token_slots, *row_args(self.x, self.weights, shrink=True))

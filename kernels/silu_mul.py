@@ -119,10 +119,8 @@ def silu_mul(gate_up: torch.Tensor,
     check(w.slice_widths == (gate_up.shape[1] // 2,) * 2,
           lambda: f"silu_mul: the LoRA term's slices {w.slice_widths} are not gate and up of "
           f"{gate_up.shape[1] // 2} columns each")
-    if config.row_epilogue(gate_up.shape[0], "silu_mul"):
+    if isinstance(lora, UnshrunkLoRA) or config.row_epilogue(gate_up.shape[0], "silu_mul"):
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
-    if isinstance(lora, UnshrunkLoRA):  # no by-blocks shrink: the one-launch term, on a copy
-        return _silu_mul_op(lora.apply(gate_up.clone()))
     return _silu_mul_lora_op(gate_up, *lora.fused_args())
 
 

@@ -42,10 +42,10 @@ EXAMPLES = 25 if ON_GPU else 8
 EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul"), 10**9),
              "blocks": dict.fromkeys(("rope", "silu_mul"), -1),
              "delta": dict.fromkeys(("rope", "silu_mul"), 10**9),
-             "unshrunk": dict.fromkeys(("rope", "silu_mul"), 10**9)}
+             "unshrunk": dict.fromkeys(("rope", "silu_mul"), -1)}
 """``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape; "delta": the term expanded
 beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwise;
-"unshrunk": the consumer computes the shrink too (``UnshrunkLoRA``, by rows)."""
+"unshrunk": the consumer computes the shrink too (``UnshrunkLoRA``: by rows at any size)."""
 
 
 def _term(epilogue: str, lora: PendingLoRA, x: torch.Tensor):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import LoRAWeights, SegmentLayout, StaticSegmentLayout
+from kernels.row_lora import UnshrunkLoRA
 from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
 from lora_runtime.lora.linear_schedule import lora_linear
 from lora_runtime.lora.side_stream import run_beside
@@ -140,8 +141,6 @@ class LoRABackend:
                         weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
         """``(base(x), UnshrunkLoRA)``: no LoRA kernel here; the consumer of the output
         computes each row's term from ``x`` (``kernels.row_lora``)."""
-        from kernels.row_lora import UnshrunkLoRA
-
         return base(x), UnshrunkLoRA(x, weights, self._layout(rows, "linear"))
 
     def expand_beside(self, x: torch.Tensor, consumer: str) -> bool:

@@ -20,7 +20,7 @@ class TritonBackend(LoRABackend):
         return config.expand_in_consumer(x, consumer)
 
     def shrinks_in_consumer(self, x, consumer):
-        return config.shrink_in_consumer(x, consumer)
+        return config.shrink_in_consumer(x)
 
     def expand_beside(self, x, consumer):
         return config.delta_beside(x, consumer)
