@@ -134,6 +134,15 @@ def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_r
     assert config.one_launch_lora(torch.empty(rows, 8), blocks, 16, max_rank) is want
 
 
+@pytest.mark.parametrize(("rows", "max_rank", "want"), [
+    (1, 16, True), (64, 16, True), (64, 8, True),
+    (65, 16, False),  # past the row limit: the one-launch or split route
+    (1, 32, False),  # each program's serial shrink grows with the rank (r=64 lost on the H200)
+])
+def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, want):
+    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank) is want
+
+
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_a_triton_linear_takes_the_route_the_budget_allows(monkeypatch, data):

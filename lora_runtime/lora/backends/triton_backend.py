@@ -19,8 +19,8 @@ class TritonBackend(LoRABackend):
     def fuses_expand(self, x, consumer):
         return config.expand_in_consumer(x, consumer)
 
-    def shrinks_in_consumer(self, x, consumer):
-        return config.shrink_in_consumer(x)
+    def shrinks_in_consumer(self, x, weights, consumer):
+        return config.shrink_in_consumer(x, weights.max_rank)
 
     def expand_beside(self, x, consumer):
         return config.delta_beside(x, consumer)
