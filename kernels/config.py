@@ -127,8 +127,10 @@ def eager(x: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def row_shrink_k_block(block_r: int, k: int) -> int:
-    """K columns a by-rows consumer's shrink step loads: its A tile stays at 4096 elements."""
-    return max(16, min(4096 // block_r, next_pow2(k)))
+    """K columns a by-rows consumer's shrink step loads: 4096 A elements a step up to rank 32,
+    at least 128 columns above (each step is a dependent load: at rank 64, 64 columns made
+    down's shrink a chain of 224 steps)."""
+    return max(16, min(max(4096 // block_r, 128), next_pow2(k)))
 
 
 CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "64"))

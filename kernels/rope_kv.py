@@ -252,7 +252,7 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
             s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
-            BLOCK_K=BLOCK_K, BLOCK_HALF=config.next_pow2(half), num_warps=2)
+            BLOCK_K=BLOCK_K, BLOCK_HALF=config.next_pow2(half), num_warps=4 if SHRINK else 2)
     return q
 
 
