@@ -134,17 +134,18 @@ def row_shrink_k_block(block_r: int, k: int) -> int:
 
 
 CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "64"))
-CONSUMER_SHRINK_MAX_RANK = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_RANK", "16"))
+CONSUMER_SHRINK_MAX_RANK = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_RANK", "64"))
 """Eager forwards of at most ``CONSUMER_SHRINK_MAX_ROWS`` rows, of weights whose largest rank
 is at most ``CONSUMER_SHRINK_MAX_RANK``, leave a projection's whole LoRA term, shrink included,
 to the kernel that consumes its output, by rows (``kernels.row_lora``: qkv's to RoPE,
 gate_up's to SwiGLU, o_proj's and down's to the next norm): no LoRA launch at all. Read at
-import; 0: never. Each program's shrink is a serial loop over K whose A tile holds 4096
-elements, so its latency grows with the rank. H200, 4 layers, 16 adapters, eager LoRA over
-eager base traffic, route off / on (rows limit 16 / 64), r=16: bs 1 1.64 / 1.43 / 1.41x, bs 8
-1.65 / 1.43 / 1.43x, bs 32 1.62 / 1.61 / 1.43x, bs 64 1.65 / 1.66 / 1.59x (RoPE and SwiGLU
-then by blocks at 64 rows; by rows since: 1.40x); r=64 (limit 64): bs 1 / 8 / 32 / 64 1.59 /
-1.65 / 1.67 / 1.67x off, 1.61 / 1.69 / 1.77 / 2.10x on."""
+import; 0: never. Each program's shrink is a serial loop over K (``row_shrink_k_block``), so
+its latency grows with the rank. H200, 4 layers, 16 adapters, eager LoRA over eager base
+traffic, route off / on (rows limit 16 / 64), r=16: bs 1 1.64 / 1.43 / 1.41x, bs 8 1.65 /
+1.43 / 1.43x, bs 32 1.62 / 1.61 / 1.43x, bs 64 1.65 / 1.66 / 1.59x (RoPE and SwiGLU then by
+blocks at 64 rows; by rows since: 1.40x). r=64, bs 1 / 8 / 32 / 64: one launch 1.59-1.70x;
+on with 64-column A tiles 1.61 / 1.69 / 1.77 / 2.10x; with 128-column tiles 1.45 / 1.45 /
+1.37 / 1.42x. Above rank 64: not measured."""
 
 
 def shrink_in_consumer(x: torch.Tensor, max_rank: int) -> bool:
