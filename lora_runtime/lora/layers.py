@@ -67,6 +67,16 @@ class LinearWithLoRA(LoRALayer):
                                                   self.rows)
         return None
 
+    def _routed(self, x: torch.Tensor, consumer: str):
+        """``(output, term or None)`` by the routes every consumer shares, in order: the whole
+        term left to ``consumer`` (``_unshrunk``), one launch (``_one_launch``), the term beside
+        the GEMM (``_delta_beside``); None where none applies."""
+        out = self._unshrunk(x, consumer)
+        if out is None:
+            y = self._one_launch(x)
+            out = None if y is None else (y, None)
+        return out if out is not None else self._delta_beside(x, consumer)
+
     def _unshrunk(self, x: torch.Tensor, consumer: str):
         """``(output, UnshrunkLoRA)`` where the backend leaves the whole LoRA term to
         ``consumer`` (eager, few rows: no LoRA launch; ``backend.shrinks_in_consumer``), else
@@ -98,13 +108,7 @@ class RowLinearWithLoRA(LinearWithLoRA):
         GEMM (``backend.expand_beside``), it is returned for the norm to add; otherwise it is
         already in the output."""
         if self.lora_active:
-            out = self._unshrunk(x, "norm")
-            if out is not None:
-                return out
-            y = self._one_launch(x)
-            if y is not None:
-                return y, None
-            out = self._delta_beside(x, "norm")
+            out = self._routed(x, "norm")
             return out if out is not None else (self._split(x), None)
         return self._base_call()(x), None
 
@@ -130,13 +134,7 @@ class DeferredExpandLinear(LinearWithLoRA):
         delta, where it leaves the expand to the consumer (``backend.fuses_expand``) as a
         pending term, for the consumer to add; otherwise it is already in the output."""
         if self.lora_active:
-            out = self._unshrunk(x, self.consumer)
-            if out is not None:
-                return out
-            y = self._one_launch(x)
-            if y is not None:
-                return y, None
-            out = self._delta_beside(x, self.consumer)
+            out = self._routed(x, self.consumer)
             if out is not None:
                 return out
             if self.backend.fuses_expand(x, self.consumer):
