@@ -104,9 +104,11 @@ T=16/8 adapters 13.3 / 21.9%, T=32/16 32.0 / 32.5%, T=64/8 15.9 / 10.9%, T=128/1
 ROW_EPILOGUE_MAX_ROWS = {
     "rope": int(os.environ.get("MULTILORA_ROPE_EPILOGUE_MAX_ROWS", "63")),
     "silu_mul": int(os.environ.get("MULTILORA_SILU_EPILOGUE_MAX_ROWS", "63")),
+    "norm": int(os.environ.get("MULTILORA_NORM_EPILOGUE_MAX_ROWS", "-1")),
 }
-"""Forwards of at most this many rows add qkv's LoRA term in RoPE with the KV write ("rope") and
-gate_up's in SwiGLU's activation ("silu_mul") with a program per row (``kernels.lora_epilogue``;
+"""Forwards of at most this many rows add qkv's LoRA term in RoPE with the KV write ("rope"),
+gate_up's in SwiGLU's activation ("silu_mul") and o_proj's and down's in the residual add +
+RMSNorm after them ("norm") with a program per row (``kernels.lora_epilogue``;
 read at import, -1: never). At decode the separate expand is a launch on the critical path after
 the base GEMM; it was most of LoRA's cost in a graph step (see docs/perf-notes.md)."""
 
@@ -163,8 +165,8 @@ def row_block_n(block_r: int) -> int:
 
 def expand_in_consumer(x: torch.Tensor, consumer: str) -> bool:
     """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
-    "silu_mul" for gate_up). Callers check the eager one-launch route first (host-bound: one
-    launch beats a shrink whose term a consumer adds)."""
+    "silu_mul" for gate_up, "norm" for o_proj and down). Callers check the eager one-launch
+    route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
     rows = x.shape[0]
     return row_epilogue(rows, consumer) or (consumer == "silu_mul" and fused_expand(rows))
 

@@ -39,10 +39,11 @@ from lora_runtime.engine.requests import Request, build_decode, build_extend, re
 from lora_runtime.model.backend import use_base_backend
 
 EXAMPLES = 25 if ON_GPU else 8
-EPILOGUES = {"rows": dict.fromkeys(("rope", "silu_mul"), 10**9),
-             "blocks": dict.fromkeys(("rope", "silu_mul"), -1),
-             "delta": dict.fromkeys(("rope", "silu_mul"), 10**9),
-             "unshrunk": dict.fromkeys(("rope", "silu_mul"), -1)}
+CONSUMERS = ("rope", "silu_mul", "norm")
+EPILOGUES = {"rows": dict.fromkeys(CONSUMERS, 10**9),
+             "blocks": dict.fromkeys(CONSUMERS, -1),
+             "delta": dict.fromkeys(CONSUMERS, 10**9),
+             "unshrunk": dict.fromkeys(CONSUMERS, -1)}
 """``config.ROW_EPILOGUE_MAX_ROWS`` forcing each program shape; "delta": the term expanded
 beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwise;
 "unshrunk": the consumer computes the shrink too (``UnshrunkLoRA``: by rows at any size)."""
@@ -296,9 +297,11 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_op", delta_at=1)
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_op", delta_at=8)
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_op", delta_at=4)
-    elif epilogue == "rows":
+    elif epilogue == "rows":  # the shrink beside the GEMM, its `a` left to every consumer
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
+        norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
+                                  when=lambda a: a[-2] is False)
     else:
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
         rope_calls = [1]  # qkv's expand runs separately at every size

@@ -99,6 +99,54 @@ def test_a_held_layout_is_neither_planned_nor_copied(monkeypatch):
     assert backend.batch_info.rows.num_rows == MAX_ROWS and not calls
 
 
+def _layout_lists(layout) -> list[list[int]]:
+    return [getattr(layout, t).tolist() for t in
+            ("token_slots", "permutation", "block_slots", "block_starts", "block_ends")]
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_eager_layouts_reused_only_for_an_equal_batch(data):
+    """Eager prepares in any order, with repeats and more distinct batches than the backend
+    keeps: every forward's layouts equal a fresh build of its own plan, and a batch equal to
+    a kept one reuses its device layouts (no planning, no copy)."""
+    from lora_runtime.lora.backends import base
+
+    backend = TorchBackend(SLOTS, "cpu")
+    pool = [_spec(data.draw, MAX_ROWS) for _ in range(base.EAGER_LAYOUTS_KEPT + 2)]
+    seen: dict[SegmentSpec, object] = {}
+    for _ in range(data.draw(st.integers(1, 12))):
+        spec = data.draw(st.sampled_from(pool))
+        plan = LoRABatchPlan(spec, _logits(spec))
+        backend.prepare(plan)
+        rows = backend.batch_info.rows
+        assert _layout_lists(rows) == _layout_lists(segments.SegmentLayout.from_plan(
+            spec.plan(), "cpu")), "an eager layout that is not its batch's own"
+        assert _layout_lists(backend.logits_info) == _layout_lists(
+            segments.SegmentLayout.from_plan(_logits(spec).plan(), "cpu"))
+        if spec in seen and seen[spec] is rows:
+            assert "rows" not in plan.__dict__, "a reused layout was planned again"
+        seen[spec] = rows
+        backend.reset_batch_state()
+        assert backend.batch_info is None and backend.logits_info is None
+
+
+def test_an_equal_eager_batch_is_neither_planned_nor_copied(monkeypatch):
+    backend = TorchBackend(SLOTS, "cpu")
+    spec = SegmentSpec((0, 1, 0, NEUTRAL), None, BLOCK_M, NEUTRAL)
+    backend.prepare(LoRABatchPlan(spec, _logits(spec)))
+    first = backend.batch_info.rows
+    backend.reset_batch_state()
+    monkeypatch.setattr(segments, "plan_segments", lambda *a, **k: pytest.fail("planned"))
+    monkeypatch.setattr(segments.SegmentLayout, "from_plans",
+                        lambda *a, **k: pytest.fail("copied again"))
+    backend.prepare(LoRABatchPlan(spec, _logits(spec)))
+    assert backend.batch_info.rows is first
+    other = SegmentSpec((1, 0, 0, NEUTRAL), None, BLOCK_M, NEUTRAL)
+    with pytest.raises(pytest.fail.Exception, match="planned|copied"):
+        backend.prepare(LoRABatchPlan(other, _logits(other)))
+
+
 def test_holds_names_the_spec_and_a_view_it_fits():
     layout = StaticSegmentLayout(MAX_ROWS, SLOTS + 1, BLOCK_M, NEUTRAL, "cpu")
     spec = SegmentSpec((0,) * 9, None, BLOCK_M, NEUTRAL)

@@ -99,31 +99,10 @@ class ColumnLinearWithLoRA(LinearWithLoRA):
     pass
 
 
-class RowLinearWithLoRA(LinearWithLoRA):
-    """o_proj. Its output goes to the residual add + RMSNorm, which may add its LoRA term."""
-
-    def forward_delta(self, x: torch.Tensor):
-        """``(output, LoRADelta or UnshrunkLoRA or None)``: where the backend leaves the LoRA
-        term to the next norm (``backend.shrinks_in_consumer``) or computes it beside the
-        GEMM (``backend.expand_beside``), it is returned for the norm to add; otherwise it is
-        already in the output."""
-        if self.lora_active:
-            out = self._routed(x, "norm")
-            return out if out is not None else (self._split(x), None)
-        return self._base_call()(x), None
-
-
-class MLPRowLinearWithLoRA(RowLinearWithLoRA):
-    """down_proj: runs on the MLP's rows. Under DP it is row-parallel: A holds this rank's
-    input columns and B is whole, so the partial LoRA term is added before the
-    reduce-scatter that sums the base layer's partial outputs, and is summed with them."""
-
-    rows = RowSet.GATHERED
-
-
 class DeferredExpandLinear(LinearWithLoRA):
     """A projection whose next kernel (``consumer``) can add its LoRA term to the rows it
-    loads (``kernels.lora_epilogue``): the model calls ``forward_deferred``."""
+    loads (``kernels.lora_epilogue``, ``kernels.row_lora``): the model calls
+    ``forward_deferred``."""
 
     consumer: str
 
@@ -142,6 +121,20 @@ class DeferredExpandLinear(LinearWithLoRA):
                                                     self.lora, self.rows)
             return self._split(x), None
         return self._base_call()(x), None
+
+
+class RowLinearWithLoRA(DeferredExpandLinear):
+    """o_proj. Its output goes to the residual add + RMSNorm, which may add its LoRA term."""
+
+    consumer = "norm"
+
+
+class MLPRowLinearWithLoRA(RowLinearWithLoRA):
+    """down_proj: runs on the MLP's rows. Under DP it is row-parallel: A holds this rank's
+    input columns and B is whole, so the partial LoRA term is added before the
+    reduce-scatter that sums the base layer's partial outputs, and is summed with them."""
+
+    rows = RowSet.GATHERED
 
 
 class QKVLinearWithLoRA(DeferredExpandLinear):

@@ -11,7 +11,7 @@ from torch import nn
 from lora_runtime.engine.forward_batch import DecodeAttention, ForwardBatch
 from lora_runtime.model.attention_ops import decode_attention, extend_attention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RotaryEmbedding, deferred, with_delta
+from lora_runtime.model.layers import RotaryEmbedding, deferred
 
 
 class LlamaAttention(nn.Module):
@@ -27,8 +27,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv):
-        """``(output, LoRADelta or None)``: a LoRA o_proj may leave its term as a delta for
-        the norm after it (``RowLinearWithLoRA.forward_delta``)."""
+        """``(output, LoRA term or None)``: a LoRA o_proj may leave its term to the norm after
+        it (``DeferredExpandLinear.forward_deferred``)."""
         t = hidden.shape[0]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
         qkv, lora = deferred(self.qkv_proj, hidden)
@@ -40,4 +40,4 @@ class LlamaAttention(nn.Module):
             out = decode_attention(q, k_cache, v_cache, batch.attn, self.scale)
         else:
             out = extend_attention(q, k_cache, v_cache, batch.attn, batch.positions, self.scale)
-        return with_delta(self.o_proj, out.reshape(t, self.q_size))
+        return deferred(self.o_proj, out.reshape(t, self.q_size))

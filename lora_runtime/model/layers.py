@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.lora_epilogue import LoRADelta
+from kernels.lora_epilogue import LoRADelta, PendingLoRA
 from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.row_lora import UnshrunkLoRA
@@ -26,10 +26,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                lora: LoRADelta | UnshrunkLoRA | None = None):
+                lora: LoRADelta | PendingLoRA | UnshrunkLoRA | None = None):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. ``lora``:
-        the previous projection's LoRA term, as a delta (``LoRABackend.linear_delta``) or
-        unshrunk (``LoRABackend.linear_unshrunk``), added to ``x`` first."""
+        the previous projection's LoRA term, as a delta (``LoRABackend.linear_delta``),
+        pending (``linear_deferred``) or unshrunk (``linear_unshrunk``), added to ``x``
+        first."""
         if base_backend(x.device) == "triton":
             return rms_norm(x, self.weight, self.eps, residual, lora)
         if lora is not None:
@@ -46,17 +47,9 @@ class RMSNorm(nn.Module):
 # nn.Linear path.
 def deferred(projection: nn.Module, x: torch.Tensor):
     """``(projection(x), None)``, or where ``projection`` is a LoRA wrapper that may leave its
-    term to the next kernel, ``(base output, PendingLoRA or LoRADelta or None)``."""
+    term to the next kernel, ``(base output, its LoRA term or None)``."""
     if hasattr(type(projection), "forward_deferred"):
         return projection.forward_deferred(x)
-    return projection(x), None
-
-
-def with_delta(projection: nn.Module, x: torch.Tensor):
-    """``(projection(x), None)``, or where ``projection`` is a LoRA wrapper that may compute
-    its term beside the GEMM for the next norm, ``(base output, LoRADelta or None)``."""
-    if hasattr(type(projection), "forward_delta"):
-        return projection.forward_delta(x)
     return projection(x), None
 
 

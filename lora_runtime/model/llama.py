@@ -11,7 +11,7 @@ from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.forward_batch import ForwardBatch
 from lora_runtime.model.attention import LlamaAttention
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, deferred, silu_mul, with_delta
+from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, deferred, silu_mul
 
 
 class LlamaMLP(nn.Module):
@@ -25,8 +25,9 @@ class LlamaMLP(nn.Module):
         intermediate dimension and runs on the rows gathered from every rank."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch):
-        """``(output, LoRADelta or None)``, as ``LlamaAttention.forward``. Under DP down's LoRA
-        term is summed by the reduce-scatter with its base output, so it is never a delta."""
+        """``(output, LoRA term or None)``, as ``LlamaAttention.forward``. Under DP down's LoRA
+        term is summed by the reduce-scatter with its base output, so it is never left to the
+        norm."""
         if self.dp is None:
             return self._local(x, delta=True)
         rows = gather_rows(x, batch.gathered.rows_per_rank, self.dp)
@@ -35,7 +36,7 @@ class LlamaMLP(nn.Module):
 
     def _local(self, x: torch.Tensor, delta: bool):
         h = silu_mul(*deferred(self.gate_up_proj, x))
-        return with_delta(self.down_proj, h) if delta else (self.down_proj(h), None)
+        return deferred(self.down_proj, h) if delta else (self.down_proj(h), None)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -22,6 +22,9 @@ from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatc
 from lora_runtime.lora.linear_schedule import lora_linear
 from lora_runtime.lora.side_stream import run_beside
 
+EAGER_LAYOUTS_KEPT = 8
+"""Eager layouts kept for reuse, most recent last (``LoRABackend.prepare``)."""
+
 
 class RowSet(enum.Enum):
     TOKENS = "tokens"
@@ -52,18 +55,35 @@ class LoRABackend:
         # The MLP's layout: batch_info's rows, or under DP the gathered rows (then it may be
         # set while batch_info is None: an idle rank's MLP serves the other ranks' tokens).
         self.gathered_info: SegmentLayout | None = None
+        # Invariant: an eager layout is a pure function of its specs and never written after
+        # its copy, so reusing it for an equal batch cannot read a previous batch's rows.
+        self._eager_layouts: dict[tuple, tuple] = {}
 
     # -- batch-state contract -------------------------------------------------------------
     def prepare(self, plan: LoRABatchPlan) -> None:
         """Eager forward: exact-size metadata, one host-to-device copy for all its layouts.
-        Under DP, a rank whose own rows have no adapter keeps ``batch_info`` None."""
+        Under DP, a rank whose own rows have no adapter keeps ``batch_info`` None. A batch
+        planned like one of the last ``EAGER_LAYOUTS_KEPT`` (equal specs: consecutive decode
+        steps of an unchanged batch) reuses its layouts: no planning, no copy."""
+        key = (plan.rows_spec, plan.logits_spec, plan.gathered_spec)
+        layouts = self._eager_layouts.pop(key, None)
+        if layouts is None:
+            layouts = self._eager_layouts_of(plan)
+            if len(self._eager_layouts) >= EAGER_LAYOUTS_KEPT:
+                del self._eager_layouts[next(iter(self._eager_layouts))]  # least recent
+        self._eager_layouts[key] = layouts
+        rows, logits, gathered = layouts
+        self._set(None if rows is None else LoRABatchInfo(rows), logits, gathered)
+
+    def _eager_layouts_of(self, plan: LoRABatchPlan) -> tuple:
+        """``(rows, logits, gathered)`` layouts of ``plan`` on the device, built by one copy
+        (rows and logits None on a DP rank without local adapters)."""
         local = plan.gathered is None or plan.has_local_adapters
         plans = ([plan.rows, plan.logits_rows] if local else []) + (
             [] if plan.gathered is None else [plan.gathered])
         layouts = SegmentLayout.from_plans(plans, self.device)  # one copy for all
-        info = LoRABatchInfo(layouts[0]) if local else None
-        logits = layouts[1] if local else None
-        self._set(info, logits, layouts[-1] if plan.gathered is not None else None)
+        return (layouts[0] if local else None, layouts[1] if local else None,
+                layouts[-1] if plan.gathered is not None else None)
 
     def _set(self, info: LoRABatchInfo | None, logits: SegmentLayout | None,
              gathered: SegmentLayout | None = None) -> None:
