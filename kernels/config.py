@@ -127,12 +127,55 @@ def eager(x: torch.Tensor) -> bool:
                                   and torch.cuda.is_current_stream_capturing())
 
 
+ROW_SHRINK_ELEMENTS = int(os.environ.get("MULTILORA_ROW_SHRINK_ELEMENTS", "16384"))
+"""A elements a by-rows consumer's shrink loads a step (read at import). Each step is a
+dependent load of one program, so the step count sets the shrink's latency: H200, eager
+4-layer forward, 16 adapters r=16, bs 1, with 4096: the residual add + RMSNorm with the term
+54 us a call (down's K of 14336 in 56 steps), SwiGLU 40 us, RoPE 25 us; see
+docs/perf-notes.md for 16384."""
+
+
+ROW_RANK_CHUNK = 16
+"""Ranks a by-rows shrink computes at a time (``kernels.row_lora``): a row of rank 8 in a pool
+whose largest rank is 64 loads one chunk of A, not a 64-rank tile mostly masked."""
+
+
 @functools.lru_cache(maxsize=256)
 def row_shrink_k_block(block_r: int, k: int) -> int:
-    """K columns a by-rows consumer's shrink step loads: 4096 A elements a step up to rank 32,
-    at least 128 columns above (each step is a dependent load: at rank 64, 64 columns made
-    down's shrink a chain of 224 steps)."""
-    return max(16, min(max(4096 // block_r, 128), next_pow2(k)))
+    """K columns a by-rows consumer's shrink step loads: ``ROW_SHRINK_ELEMENTS`` A elements
+    of one chunk of at most ``ROW_RANK_CHUNK`` ranks, at least 128 columns
+    (at rank 64 and 4096 elements, 64 columns made down's shrink a chain of 224 steps)."""
+    return max(16, min(max(ROW_SHRINK_ELEMENTS // min(block_r, ROW_RANK_CHUNK), 128), next_pow2(k)))
+
+
+def row_shrink_warps() -> int:
+    """Warps of a by-rows consumer program that computes its shrink (its A tile spread over
+    them: 64 elements a thread at most)."""
+    return max(4, min(16, ROW_SHRINK_ELEMENTS // 2048))
+
+
+ROW_SHRINK_PROGRAMS = 264
+"""Programs a by-rows consumer that computes its shrink aims for (two per H200 SM): where the
+rows alone give more, a program serves more of its row with one shrink."""
+
+
+def rope_heads_per_program(tokens: int, heads: int, kv_heads: int) -> int:
+    """Heads of one slice a RoPE program takes when it computes its shrink: the largest of
+    1, 2, 4, 8 that still leaves ``ROW_SHRINK_PROGRAMS`` programs. Every program repeats its
+    slice's shrink, so at 64 tokens one head a program read A 48 times a token (H200, 16
+    adapters r=64: ~170 us a call)."""
+    group = 8
+    while group > 1 and tokens * (cdiv(heads, group) + cdiv(kv_heads, group)) < (
+            ROW_SHRINK_PROGRAMS):
+        group //= 2
+    return group
+
+
+def silu_shrink_groups(rows: int) -> int:
+    """Column groups of a row in SwiGLU when each program computes the row's shrink (each
+    group repeats it: A's two slices): 8, or 4 where that still leaves
+    ``ROW_SHRINK_PROGRAMS`` programs."""
+    return 4 if rows * 4 >= ROW_SHRINK_PROGRAMS else 8
 
 
 CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "64"))

@@ -168,12 +168,16 @@ def _add_rms_norm_lora_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, summed = _out(x, weight), torch.empty_like(x)
     if x.shape[0]:
-        block = min(config.row_block_n(BLOCK_R), config.next_pow2(x.shape[1]))
+        # With SHRINK the program's whole term is serial: wider column steps, more warps.
+        per_step = config.ROW_SHRINK_ELEMENTS // BLOCK_R if SHRINK else config.row_block_n(
+            BLOCK_R)
+        block = min(max(per_step, 32), config.next_pow2(x.shape[1]))
         _add_rms_norm_lora_kernel[(x.shape[0],)](
             x, residual, weight, out, summed, x.shape[1], eps, x.stride(0), residual.stride(0),
             out.stride(0), summed.stride(0), slots, src, la, b, ranks, scalings, max_rank, K,
             s_s0, s_s1, s_as, s_ar, s_ak, s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES,
-            BLOCK_R=BLOCK_R, SHRINK=SHRINK, BLOCK_K=BLOCK_K, BLOCK=block, num_warps=4)
+            BLOCK_R=BLOCK_R, SHRINK=SHRINK, BLOCK_K=BLOCK_K, BLOCK=block,
+            num_warps=config.row_shrink_warps() if SHRINK else 4)
     return out, summed
 
 

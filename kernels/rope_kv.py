@@ -10,7 +10,9 @@ dtype, then ``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their su
 With the qkv projection's pending or unshrunk LoRA term (``kernels.row_lora``, decode-sized
 forwards) a program handles one head of one token, so that the B columns it adds spread over
 the grid: a token-per-program grid would read a whole B row block (qkv: 6144 x rank) in one
-program.
+program. An unshrunk term's program computes its slice's shrink over the whole K, so with
+enough tokens to fill the device a program takes a group of heads of one slice
+(``config.rope_heads_per_program``): one shrink serves them all.
 """
 
 from __future__ import annotations
@@ -125,40 +127,50 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
                          stride_bs, stride_bn, stride_br,
                          NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
                          SHRINK: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr):
-    """Grid (tokens, heads + kv_heads): program ``h < heads`` rotates q head ``h``; program
-    ``heads + j`` rotates k head ``j`` and copies v head ``j`` into the caches. Head ``h``'s
-    columns start at ``h * head_dim`` in both cases (k heads follow the q heads)."""
+                         BLOCK_HALF: tl.constexpr, GROUP: tl.constexpr):
+    """Grid (tokens, cdiv(heads, GROUP) + cdiv(kv_heads, GROUP)): the first programs rotate
+    q heads, GROUP each; the others rotate k heads and copy v heads into the caches, GROUP
+    each. A program computes (``SHRINK``) or loads its slices' ``a`` once for its heads. Head
+    ``h``'s columns start at ``h * head_dim`` (k heads follow the q heads, v the k heads)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    p = tl.program_id(1)
     offs_d, d_mask, cos, sin = _cos_sin(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, half, stride_tab,
                                         BLOCK_HALF)
     lora = (slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K, stride_s0,
             stride_s1, stride_as, stride_ar, stride_ak, t)
     b = (b_ptr, stride_bs, stride_bn, stride_br)
     row = t * stride_qkv
-    is_q = h < heads
-    a, slot, rank, scale = row_lora_a(*lora, tl.where(is_q, 0, 1), NUM_SLICES, BLOCK_R,
-                                      SHRINK, BLOCK_K)
-    lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half, a, slot, rank,
-                             scale, *b, BLOCK_R)
-    lo, hi = _rotate_halves(lo, hi, cos, sin)
-    if is_q:
-        out = q_ptr + t * stride_q + h * 2 * half + offs_d
-        tl.store(out, lo, mask=d_mask)
-        tl.store(out + half, hi, mask=d_mask)
+    q_programs = tl.cdiv(heads, GROUP)
+    if p < q_programs:
+        a, slot, rank, scale = row_lora_a(*lora, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+        for i in tl.static_range(GROUP):
+            h = p * GROUP + i
+            if h < heads:
+                lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half, a,
+                                         slot, rank, scale, *b, BLOCK_R)
+                lo, hi = _rotate_halves(lo, hi, cos, sin)
+                out = q_ptr + t * stride_q + h * 2 * half + offs_d
+                tl.store(out, lo, mask=d_mask)
+                tl.store(out + half, hi, mask=d_mask)
     else:
-        j = h - heads
+        a, slot, rank, scale = row_lora_a(*lora, 1, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+        a_v, _, rank_v, scale_v = row_lora_a(*lora, 2, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
         cache_slot = tl.load(loc_ptr + t).to(tl.int64)
-        out = k_ptr + cache_slot * stride_k + j * 2 * half + offs_d
-        tl.store(out, lo, mask=d_mask)
-        tl.store(out + half, hi, mask=d_mask)
-        a, slot, rank, scale = row_lora_a(*lora, 2, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
-        v_lo, v_hi = _head_with_lora(qkv_ptr, row, (heads + kv_heads + j) * 2 * half, offs_d,
-                                     d_mask, half, a, slot, rank, scale, *b, BLOCK_R)
-        dst = v_ptr + cache_slot * stride_v + j * 2 * half + offs_d
-        tl.store(dst, v_lo, mask=d_mask)
-        tl.store(dst + half, v_hi, mask=d_mask)
+        for i in tl.static_range(GROUP):
+            j = (p - q_programs) * GROUP + i
+            if j < kv_heads:
+                lo, hi = _head_with_lora(qkv_ptr, row, (heads + j) * 2 * half, offs_d, d_mask,
+                                         half, a, slot, rank, scale, *b, BLOCK_R)
+                lo, hi = _rotate_halves(lo, hi, cos, sin)
+                out = k_ptr + cache_slot * stride_k + j * 2 * half + offs_d
+                tl.store(out, lo, mask=d_mask)
+                tl.store(out + half, hi, mask=d_mask)
+                v_lo, v_hi = _head_with_lora(qkv_ptr, row, (heads + kv_heads + j) * 2 * half,
+                                             offs_d, d_mask, half, a_v, slot, rank_v, scale_v,
+                                             *b, BLOCK_R)
+                dst = v_ptr + cache_slot * stride_v + j * 2 * half + offs_d
+                tl.store(dst, v_lo, mask=d_mask)
+                tl.store(dst + half, v_hi, mask=d_mask)
 
 
 def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -247,12 +259,15 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     q = _q(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
-        _rope_kv_lora_kernel[(t, heads + kv_heads)](
+        group = config.rope_heads_per_program(t, heads, kv_heads) if SHRINK else 1
+        grid = (t, config.cdiv(heads, group) + config.cdiv(kv_heads, group))
+        _rope_kv_lora_kernel[grid](
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
             s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
-            BLOCK_K=BLOCK_K, BLOCK_HALF=config.next_pow2(half), num_warps=4 if SHRINK else 2)
+            BLOCK_K=BLOCK_K, BLOCK_HALF=config.next_pow2(half), GROUP=group,
+            num_warps=config.row_shrink_warps() if SHRINK else 2)
     return q
 
 

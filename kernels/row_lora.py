@@ -105,22 +105,45 @@ def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank,
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     if SHRINK:
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        a_base = (la_ptr + slot.to(tl.int64) * stride_as
-                  + (sl * max_rank + offs_r)[:, None] * stride_ar)
-        k_end = tl.where(rank > 0, K, 0)
-        for k0 in range(0, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(src_ptr + row * stride_s0 + offs_k * stride_s1, mask=k_mask, other=0.0)
-            w = tl.load(a_base + offs_k[None, :] * stride_ak,
-                        mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        a = acc
+        x_row = src_ptr + row * stride_s0
+        a_slot = la_ptr + slot.to(tl.int64) * stride_as + sl * max_rank * stride_ar
+        if BLOCK_R > RANK_CHUNK:
+            a = _shrink_by_rank_chunks(x_row, a_slot, rank, K, stride_s1, stride_ar, stride_ak,
+                                       BLOCK_R, RANK_CHUNK, BLOCK_K)
+        else:
+            a = _shrink_by_rank_chunks(x_row, a_slot, rank, K, stride_s1, stride_ar, stride_ak,
+                                       BLOCK_R, BLOCK_R, BLOCK_K)
     else:
         a = tl.load(src_ptr + row * stride_s0 + (sl * max_rank + offs_r) * stride_s1,
                     mask=r_mask, other=0.0)
     return a.to(b_ptr.dtype.element_ty).to(tl.float32), slot, rank, scale
+
+
+RANK_CHUNK = tl.constexpr(config.ROW_RANK_CHUNK)
+
+
+@triton.jit
+def _shrink_by_rank_chunks(x_row, a_slot, rank, K, stride_x, stride_ar, stride_ak,
+                           BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[BLOCK_R]``: ``x_row @ A^T`` over the whole K for the first ``rank`` rows of A
+    (``a_slot``), ``CHUNK`` ranks at a time; chunks past ``rank`` are skipped."""
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c in tl.static_range(BLOCK_R // CHUNK):
+        if c * CHUNK < rank:
+            offs_c = c * CHUNK + tl.arange(0, CHUNK)
+            c_mask = offs_c < rank
+            part = tl.zeros((CHUNK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                x = tl.load(x_row + offs_k * stride_x, mask=k_mask, other=0.0)
+                w = tl.load(a_slot + offs_c[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                            mask=c_mask[:, None] & k_mask[None, :], other=0.0)
+                part += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.sum(tl.where(offs_r[:, None] == offs_c[None, :], part[None, :], 0.0),
+                          axis=1)
+    return acc
 
 
 @triton.jit

@@ -17,11 +17,6 @@ from kernels.traced_op import traced_op
 
 BLOCK = 1024
 LORA_BLOCK_N = 128
-SHRINK_GROUPS = 8
-"""Column groups of a row when each program computes the row's shrink (``UnshrunkLoRA``):
-every group recomputes it (A's two slices, 2 x rank x hidden elements)."""
-
-
 @triton.jit
 def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, inter, stride_x, stride_d, stride_o,
                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
@@ -184,12 +179,13 @@ def _silu_mul_lora_rows_op(
         block_n = min(config.row_block_n(BLOCK_R), config.next_pow2(inter))
         tiles = config.cdiv(inter, block_n)
         # A program that computes its row's shrink serves more columns with it.
-        per_program = config.cdiv(tiles, SHRINK_GROUPS) if SHRINK else 1
+        per_program = config.cdiv(tiles, config.silu_shrink_groups(rows)) if SHRINK else 1
         _silu_mul_lora_rows_kernel[(rows, config.cdiv(tiles, per_program))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
             s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
-            BLOCK_K=BLOCK_K, BLOCK_N=block_n, TILES=per_program, num_warps=4)
+            BLOCK_K=BLOCK_K, BLOCK_N=block_n, TILES=per_program,
+            num_warps=config.row_shrink_warps() if SHRINK else 4)
     return out
 
 

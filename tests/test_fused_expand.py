@@ -72,13 +72,16 @@ def _weights(g, slots: int, k: int, widths: list[int], max_rank: int, dtype) -> 
     return w
 
 
-def _draw_problem(data, g, widths_of, dtype):
+def _draw_problem(data, g, widths_of, dtype, long_k: bool = False):
     """A random layout (padded rows of the neutral slot included), weights of slices
-    ``widths_of(max_rank)``, and ``a`` from the shrink with NaN wherever it is undefined."""
+    ``widths_of(max_rank)``, and ``a`` from the shrink with NaN wherever it is undefined.
+    ``long_k``: an input width the by-rows shrink covers in several steps, the last partial
+    (``config.row_shrink_k_block``)."""
     slots = data.draw(st.integers(1, 4))
     max_rank = data.draw(st.sampled_from([4, 16, 32] + ([64] if ON_GPU else [])))
     widths = widths_of(data)
-    k = 32
+    k = data.draw(st.sampled_from([32, 2 * config.row_shrink_k_block(max_rank, 4096) + 24])
+                  ) if long_k else 32
     # request slots; slot `slots` is the neutral one
     requests = data.draw(st.lists(st.integers(0, slots), min_size=1, max_size=40))
     lens = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 5), min_size=len(requests),
@@ -117,9 +120,11 @@ def _layout(plan, rows: int, padded: int, slots: int):
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dtype, data, seed):
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     g = torch.Generator().manual_seed(seed)
     inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
-    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype)
+    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype,
+                                                    long_k=epilogue == "unshrunk")
     y = torch.randn(x.shape[0], 2 * inter, generator=g).to(dtype).to(DEVICE)
     got = silu_mul(y, _term(epilogue, lora, x))
     assert got.shape == (x.shape[0], inter) and torch.isfinite(got).all()
@@ -145,14 +150,16 @@ def _rope_f64(x, pos, cos, sin):
 def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, dtype, data,
                                                          seed):
     """By rows, as a delta, and (``blocks``) above the threshold: the separate expand into a
-    copy."""
+    copy. Unshrunk: a program per head, or per group of up to 8 heads (the last partial)."""
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     g = torch.Generator().manual_seed(seed)
     kv_heads, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 3]))
     head_dim = data.draw(st.sampled_from([8, 16] + ([128] if ON_GPU else [])))
     heads = kv_heads * group
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: widths, dtype)
+    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: widths, dtype,
+                                                    long_k=epilogue == "unshrunk")
     t = x.shape[0]
     qkv = torch.randn(t, sum(widths), generator=g).to(dtype).to(DEVICE)
     ang = torch.arange(64).double()[:, None] * torch.rand(head_dim // 2, generator=g).double()
@@ -198,7 +205,8 @@ def test_norm_with_a_by_rows_term_matches_expand_then_norm(epilogue, dtype, data
     add and the norm; without a residual, added to a copy first."""
     g = torch.Generator().manual_seed(seed)
     hidden = data.draw(st.sampled_from([16, 40, 136] + ([4096] if ON_GPU else [])))
-    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [hidden], dtype)
+    x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [hidden], dtype,
+                                                    long_k=epilogue == "unshrunk")
     t = x.shape[0]
     y, res = (torch.randn(t, hidden, generator=g).to(dtype).to(DEVICE) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
