@@ -10,11 +10,14 @@ the layout's ``token_slots`` and adds ``scaling * round(a) @ B[slot, cols]^T`` t
 - computed by the program itself (``UnshrunkLoRA``, ``SHRINK``): the row's ``x @ A^T`` over
   the whole K. An eager forward of a few rows is bound by host time (~70 us a launch on the
   H200 host), and this leaves LoRA no launch of its own: the consumer runs anyway. Every
-  program recomputes its row's shrink (RoPE: one per head), so it is chosen for few rows only
-  (``config.shrink_in_consumer``).
+  program recomputes its row's shrink (RoPE: once per group of heads, SwiGLU: once per
+  column group), so it is chosen for few rows only (``config.shrink_in_consumer``). The
+  shrink is one program's serial loop of dependent loads: its steps are wide
+  (``config.ROW_SHRINK_ELEMENTS``) and it takes the rank ``RANK_CHUNK`` at a time, so a
+  low-rank row of a high-rank pool loads only its own chunks.
 
 Hazard: a row of the neutral slot has rank 0, and the neutral slot has no A or B row: every
-A and B load is masked by the rank, and the shrink's loop is empty for rank 0.
+A and B load is masked by the rank, and the shrink computes no chunk for rank 0.
 """
 
 from __future__ import annotations
