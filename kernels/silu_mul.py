@@ -17,6 +17,8 @@ from kernels.traced_op import traced_op
 
 BLOCK = 1024
 LORA_BLOCK_N = 128
+
+
 @triton.jit
 def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, inter, stride_x, stride_d, stride_o,
                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
