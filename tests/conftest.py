@@ -20,6 +20,13 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if ON_GPU else "cpu"))
 
 
+def kernel_examples(gpu: int, cpu: int) -> int:
+    """Hypothesis examples of a kernel test module. ``MULTILORA_TEST_EXAMPLES`` overrides both:
+    on a GPU each drawn shape compiles its own Triton variants, so a quick pass there wants
+    few (the default count ran past a 200-second limit on the H200)."""
+    return int(os.environ.get("MULTILORA_TEST_EXAMPLES", gpu if ON_GPU else cpu))
+
+
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE

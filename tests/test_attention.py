@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_f64 import RequestRows, attention_f64
-from conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from conftest import DEVICE, KERNEL_DTYPES, ON_GPU, kernel_examples
 from float64_reference import TOL, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +28,7 @@ from lora_runtime.model.backend import use_base_backend
 from lora_runtime.model.config import tiny
 from lora_runtime.model.llama import LlamaForCausalLM
 
-EXAMPLES = 12 if ON_GPU else 6
+EXAMPLES = kernel_examples(gpu=12, cpu=6)
 SLOTS = 1024
 POISON = SLOTS - 1  # holds NaN: any read of it shows in the output
 

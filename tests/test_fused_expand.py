@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from conftest import DEVICE, KERNEL_DTYPES, ON_GPU, kernel_examples
 from float64_reference import TOL, lora_delta_f64, rel_err
 from graph_harness import Harness
 from hypothesis import given, settings
@@ -38,7 +38,7 @@ from kernels.silu_mul import silu_mul
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
 
-EXAMPLES = 25 if ON_GPU else 8
+EXAMPLES = kernel_examples(gpu=25, cpu=8)
 CONSUMERS = ("rope", "silu_mul", "norm")
 EPILOGUES = {"rows": dict.fromkeys(CONSUMERS, 10**9),
              "blocks": dict.fromkeys(CONSUMERS, -1),

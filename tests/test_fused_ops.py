@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from conftest import DEVICE, KERNEL_DTYPES, ON_GPU, kernel_examples
 from float64_reference import TOL, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +21,7 @@ from lora_runtime.model.config import tiny
 from lora_runtime.model.layers import RMSNorm, RotaryEmbedding
 from lora_runtime.model.layers import silu_mul as silu_mul_dispatch
 
-EXAMPLES = 20 if ON_GPU else 6
+EXAMPLES = kernel_examples(gpu=20, cpu=6)
 
 
 def _randn(*shape, g, dtype):
