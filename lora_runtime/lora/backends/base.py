@@ -77,13 +77,15 @@ class LoRABackend:
 
     def _eager_layouts_of(self, plan: LoRABatchPlan) -> tuple:
         """``(rows, logits, gathered)`` layouts of ``plan`` on the device, built by one copy
-        (rows and logits None on a DP rank without local adapters)."""
+        (rows and logits None on a DP rank without local adapters). A plan that serves two
+        of them (decode: the logits rows are the token rows) is packed once."""
         local = plan.gathered is None or plan.has_local_adapters
-        plans = ([plan.rows, plan.logits_rows] if local else []) + (
-            [] if plan.gathered is None else [plan.gathered])
-        layouts = SegmentLayout.from_plans(plans, self.device)  # one copy for all
-        return (layouts[0] if local else None, layouts[1] if local else None,
-                layouts[-1] if plan.gathered is not None else None)
+        wanted = [plan.rows if local else None, plan.logits_rows if local else None,
+                  plan.gathered]
+        unique = list({id(p): p for p in wanted if p is not None}.values())
+        built = dict(zip(map(id, unique), SegmentLayout.from_plans(unique, self.device),
+                         strict=True))  # one copy for all
+        return tuple(None if p is None else built[id(p)] for p in wanted)
 
     def _set(self, info: LoRABatchInfo | None, logits: SegmentLayout | None,
              gathered: SegmentLayout | None = None) -> None:
