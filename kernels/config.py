@@ -178,26 +178,30 @@ def silu_shrink_groups(rows: int) -> int:
     return 4 if rows * 4 >= ROW_SHRINK_PROGRAMS else 8
 
 
-CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "64"))
+CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "1024"))
 CONSUMER_SHRINK_MAX_RANK = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_RANK", "64"))
+CONSUMER_SHRINK_ROW_RANKS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_ROW_RANKS", "16384"))
 """Eager forwards of at most ``CONSUMER_SHRINK_MAX_ROWS`` rows, of weights whose largest rank
-is at most ``CONSUMER_SHRINK_MAX_RANK``, leave a projection's whole LoRA term, shrink included,
-to the kernel that consumes its output, by rows (``kernels.row_lora``: qkv's to RoPE,
-gate_up's to SwiGLU, o_proj's and down's to the next norm): no LoRA launch at all. Read at
-import; 0: never. Each program's shrink is a serial loop over K (``row_shrink_k_block``), so
-its latency grows with the rank. H200, 4 layers, 16 adapters, eager LoRA over eager base
-traffic, route off / on (rows limit 16 / 64), r=16: bs 1 1.64 / 1.43 / 1.41x, bs 8 1.65 /
-1.43 / 1.43x, bs 32 1.62 / 1.61 / 1.43x, bs 64 1.65 / 1.66 / 1.59x (RoPE and SwiGLU then by
-blocks at 64 rows; by rows since: 1.40x). r=64, bs 1 / 8 / 32 / 64: one launch 1.59-1.70x;
-on with 64-column A tiles 1.61 / 1.69 / 1.77 / 2.10x; with 128-column tiles 1.45 / 1.45 /
-1.37 / 1.42x. Above rank 64: not measured."""
+is at most ``CONSUMER_SHRINK_MAX_RANK``, with rows x ``rank_block(max_rank)`` at most
+``CONSUMER_SHRINK_ROW_RANKS``, leave a projection's whole LoRA term, shrink included, to the
+kernel that consumes its output, by rows (``kernels.row_lora``: qkv's to RoPE, gate_up's to
+SwiGLU, o_proj's and down's to the next norm): no LoRA launch at all. Read at import; 0:
+never. Each program's shrink is a serial loop over K (``row_shrink_k_block``), so its latency
+grows with the rank; every row reads its adapter's A and B, so the GPU work grows with rows x
+rank. H200, 4 layers, 16 adapters, eager LoRA over eager base traffic: r=16 bs 1 / 8 / 32 /
+64, route off 1.64 / 1.65 / 1.62 / 1.65x, on 1.41 / 1.43 / 1.43 / 1.59x (first version); r=64
+one launch 1.59-1.70x, on with 128-column A tiles 1.45 / 1.45 / 1.37 / 1.42x. Above 64 rows
+(limit 64 / raised, r=16): decode bs 256 1.96 / 1.32x, full depth 2.23 / 1.33x; prefill 256
+tokens 1.94 / 1.31x, 1024 tokens 1.92 / 1.57x (there the by-rows kernels bound the step: 6.9
+ms of kernels against 3.3). Above rank 64 and 1024 rows: not measured."""
 
 
 def shrink_in_consumer(x: torch.Tensor, max_rank: int) -> bool:
-    """Eager (no capture, no tracer: a graph must read its static layout), at most
-    ``CONSUMER_SHRINK_MAX_ROWS`` rows and ``CONSUMER_SHRINK_MAX_RANK`` rank."""
-    return (x.shape[0] <= CONSUMER_SHRINK_MAX_ROWS and max_rank <= CONSUMER_SHRINK_MAX_RANK
-            and eager(x))
+    """Eager (no capture, no tracer: a graph must read its static layout), within the rows,
+    rank and rows x rank limits (``CONSUMER_SHRINK_MAX_ROWS``)."""
+    rows = x.shape[0]
+    return (rows <= CONSUMER_SHRINK_MAX_ROWS and max_rank <= CONSUMER_SHRINK_MAX_RANK
+            and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS and eager(x))
 
 
 def row_block_n(block_r: int) -> int:
