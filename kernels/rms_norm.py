@@ -51,8 +51,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, cols, e
 @triton.jit
 def _add_rms_norm_lora_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, cols, eps, stride_x, stride_r, stride_o,
-    stride_s, slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
-    stride_s0, stride_s1, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
+    stride_s, slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr,
+    max_rank: tl.constexpr, K: tl.constexpr, stride_s0: tl.constexpr, stride_s1: tl.constexpr,
+    stride_as: tl.constexpr, stride_ar: tl.constexpr, stride_ak: tl.constexpr,
+    stride_bs: tl.constexpr, stride_bn: tl.constexpr, stride_br: tl.constexpr,
     NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
 ):

@@ -22,8 +22,6 @@ A and B load is masked by the rank, and the shrink computes no chunk for rank 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -58,16 +56,17 @@ def _constants(w: LoRAWeights) -> tuple:
     return c
 
 
-@dataclass(frozen=True)
 class UnshrunkLoRA:
     """A projection's whole LoRA term left to the consumer of its output: its input ``x``
     (``[rows, in]``, contiguous rows) for the rows of ``layout``. A by-rows consumer computes
     the shrink and the expand itself (``row_args``); ``apply`` adds the term in place with
-    the one-launch kernel."""
+    the one-launch kernel. Built once a module per eager forward: kept lean."""
 
-    x: torch.Tensor
-    weights: LoRAWeights
-    layout: SegmentLayout
+    __slots__ = ("x", "weights", "layout", "_tail")
+
+    def __init__(self, x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout) -> None:
+        self.x, self.weights, self.layout = x, weights, layout
+        self._tail: tuple | None = None  # ``row_args`` after ``x``, set by ``check``
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         lora_shrink_expand(self.x, self.weights, y, self.layout)
@@ -76,29 +75,38 @@ class UnshrunkLoRA:
     def check(self, y: torch.Tensor, what: str) -> None:
         """The expand's and the shrink's checks in full once per signature of the weights,
         ``x`` and ``y`` (a consumer's eager checks cost host time at every step); after that
-        the rows and the layout's device only."""
+        the rows and the layout's device only. The launch arguments that follow from the
+        signature are kept with it."""
         x, w, layout = self.x, self.weights, self.layout
-        sig = (x.dtype, y.dtype, y.device, x.shape[1:], y.shape[1:], x.stride(-1),
-               y.stride(-1))
+        c = _constants(w)
+        sig = (x.dtype, y.dtype, y.device, x.shape[1:], y.shape[1:], x.stride(), y.stride(-1))
         seen = w.unshrunk_checked
-        if (seen is not None and seen[0] is w.lora_a and seen[1] is w.lora_b
-                and seen[2] == sig and layout is not None
+        if (seen is not None and seen[0] is c and seen[1] == sig and layout is not None
                 and layout.num_rows == x.shape[0] == y.shape[0]
-                and layout.checked_on == y.device):
+                and layout.checked_on == sig[2]):
+            self._tail = seen[2]
             return
         check_expand_args(w, y, layout, what)
         check_shrink_args(x, w, layout, what)
-        w.unshrunk_checked = (w.lora_a, w.lora_b, sig)
+        self._tail = row_args(x, w, shrink=True)[1:]
+        w.unshrunk_checked = (c, sig, self._tail)
 
     def row_args(self) -> tuple:
-        return (self.layout.token_slots, *row_args(self.x, self.weights, shrink=True))
+        tail = self._tail if self._tail is not None else row_args(self.x, self.weights,
+                                                                  shrink=True)[1:]
+        return (self.layout.token_slots, self.x, *tail)
+
+
+_RANK_CHUNK = tl.constexpr(config.ROW_RANK_CHUNK)
+# A default, not a global the kernels read: Triton compares every global a kernel reads with
+# its compile-time value at each launch (~3 us a launch on the H200 host).
 
 
 @triton.jit
 def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
                stride_s0, stride_s1, stride_as, stride_ar, stride_ak, row, sl,
                NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, RANK_CHUNK: tl.constexpr = _RANK_CHUNK):
     """``(a, slot, rank, scaling)`` of row ``row``'s slice ``sl``: ``a`` fp32 ``[BLOCK_R]``,
     rounded to B's dtype as the expand rounds it, zero past ``rank``; loaded from ``src``
     (``a``), or with ``SHRINK`` computed from ``src`` (``x``) and A over the whole K."""
@@ -122,7 +130,6 @@ def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank,
     return a.to(b_ptr.dtype.element_ty).to(tl.float32), slot, rank, scale
 
 
-RANK_CHUNK = tl.constexpr(config.ROW_RANK_CHUNK)
 
 
 @triton.jit

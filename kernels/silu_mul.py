@@ -68,8 +68,10 @@ def _silu_mul_lora_kernel(
 @triton.jit
 def _silu_mul_lora_rows_kernel(
     x_ptr, out_ptr, inter, stride_x, stride_o,
-    slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
-    stride_s0, stride_s1, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
+    slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr,
+    max_rank: tl.constexpr, K: tl.constexpr, stride_s0: tl.constexpr, stride_s1: tl.constexpr,
+    stride_as: tl.constexpr, stride_ar: tl.constexpr, stride_ak: tl.constexpr,
+    stride_bs: tl.constexpr, stride_bn: tl.constexpr, stride_br: tl.constexpr,
     NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):

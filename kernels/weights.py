@@ -42,8 +42,9 @@ class LoRAWeights:
     expand_checked: tuple | None = field(default=None, compare=False, repr=False)
     """``(lora_b, y dtype, y device)``, the same for ``check_expand_args``."""
     unshrunk_checked: tuple | None = field(default=None, compare=False, repr=False)
-    """The weights and the input/output signature ``kernels.row_lora.UnshrunkLoRA.check``
-    passed in full, the same for a term a consumer computes from the input."""
+    """``(row_constants, signature, launch arguments)`` of the input/output signature
+    ``kernels.row_lora.UnshrunkLoRA.check`` passed in full (a term a consumer computes from
+    the input)."""
     row_constants: tuple | None = field(default=None, compare=False, repr=False)
     """What a by-rows consumer kernel takes of these weights (``kernels.row_lora``), built
     once: a launch's strides and tables cost host time at every eager step."""

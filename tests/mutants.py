@@ -214,6 +214,14 @@ MUTANTS = [
            (("        key = (plan.rows_spec, plan.logits_spec, plan.gathered_spec)",
              "        key = (plan.rows_spec.block_m,)"),),
            ("tests/test_layout_refresh.py",)),
+    Mutant("consumer_route_memoised_under_graph_hooks",
+           "the eager route decision is memoised under the graph hooks too (a capture's "
+           "eager warm-up would pick the route the capture records)",
+           "lora_runtime/lora/backends/base.py",
+           (("        self.gathered_info = None\n        self.routes = None\n",
+             "        self.gathered_info = None\n        self.routes = {}\n"),),
+           ("tests/test_linear_schedule.py::"
+            "test_the_consumer_route_is_memoised_only_for_an_eager_prepare",)),
     Mutant("refresh_skipped_for_any_spec",
            "a static layout claims to hold whatever spec it is asked about (refreshes skipped)",
            "kernels/segments.py",

@@ -8,6 +8,8 @@ one element of ``a`` in a bf16 replay, 136 outputs one unit off)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, ON_GPU
@@ -20,7 +22,7 @@ from kernels import config, lora_expand, lora_shrink
 from kernels.reference import expand_reference, shrink_reference
 from lora_runtime.lora.backends import RowSet
 from lora_runtime.lora.backends.triton_backend import TritonBackend
-from lora_runtime.lora.batch_info import LoRABatchInfo
+from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo
 from lora_runtime.lora.linear_schedule import SCHEDULES, lora_linear, schedule_for
 
 KERNELS = {
@@ -172,3 +174,37 @@ def test_a_triton_linear_takes_the_route_the_budget_allows(monkeypatch, data):
     assert launches == {"one": int(want_one), "two": int(not want_one)}, (rows, budget)
     ref = (x.double() @ w.double().T).cpu() + lora_delta_f64(x, case.weights, case.token_slots)
     assert rel_err(y.cpu(), ref) < TOL[torch.float32]
+
+
+def test_the_consumer_route_is_memoised_only_for_an_eager_prepare(monkeypatch):
+    """An eager ``prepare`` decides the whole-term-in-the-consumer route once per rows and
+    rank for its forward; under the graph hooks every call decides for itself (a capture's
+    warm-up call runs eagerly, the capture itself must not take the eager route), and a new
+    batch starts a new memo."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kernels import LoRAWeights, SegmentSpec
+    from lora_runtime.lora.batch_info import LoRABatchPlan
+
+    backend = TritonBackend(2, "cpu")
+    w = LoRAWeights.for_linear(2, 8, [8], 4, torch.float32, "cpu")
+    spec = SegmentSpec((0, 1, 2, 0), None, 4, 2)
+    plan = LoRABatchPlan(spec, dataclasses.replace(spec, block_m=LOGITS_BLOCK_M))
+    x = torch.randn(4, 8)
+
+    def decisions() -> list[bool]:
+        seen = [backend.shrinks_in_consumer(x, w, "norm")]  # eager
+        make_fx(lambda t: seen.append(backend.shrinks_in_consumer(t, w, "norm")) or t)(x)
+        return seen
+
+    buffers = backend.init_capture_buffers(8, 8, 4)
+    backend.prepare_for_capture(buffers, 4, 4)
+    assert decisions() == [True, False], "a capture's hooks must decide every call"
+    backend.prepare(plan)
+    assert backend.shrinks_in_consumer(x, w, "norm") and backend.routes
+    monkeypatch.setattr(config, "CONSUMER_SHRINK_MAX_ROWS", 0)
+    assert backend.shrinks_in_consumer(x, w, "norm"), "memoised for the prepared forward"
+    backend.prepare(plan)
+    assert not backend.shrinks_in_consumer(x, w, "norm"), "a new prepare decides again"
+    backend.reset_batch_state()
+    assert backend.routes is None

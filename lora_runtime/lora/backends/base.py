@@ -55,6 +55,10 @@ class LoRABackend:
         # The MLP's layout: batch_info's rows, or under DP the gathered rows (then it may be
         # set while batch_info is None: an idle rank's MLP serves the other ranks' tokens).
         self.gathered_info: SegmentLayout | None = None
+        self.routes: dict | None = None
+        """Route decisions memoised for the forward of an eager ``prepare`` (None otherwise:
+        a capture's warm-up call runs eagerly under the same graph hooks, so there each call
+        decides for itself)."""
         # Invariant: an eager layout is a pure function of its specs and never written after
         # its copy, so reusing it for an equal batch cannot read a previous batch's rows.
         self._eager_layouts: dict[tuple, tuple] = {}
@@ -74,6 +78,7 @@ class LoRABackend:
         self._eager_layouts[key] = layouts
         rows, logits, gathered = layouts
         self._set(None if rows is None else LoRABatchInfo(rows), logits, gathered)
+        self.routes = {}
 
     def _eager_layouts_of(self, plan: LoRABatchPlan) -> tuple:
         """``(rows, logits, gathered)`` layouts of ``plan`` on the device, built by one copy
@@ -100,6 +105,7 @@ class LoRABackend:
         self.batch_info = None
         self.logits_info = None
         self.gathered_info = None
+        self.routes = None
 
     def layout_ready(self, rows: RowSet) -> bool:
         """Whether layers reading ``rows`` have prepared metadata (their ``lora_active``)."""

@@ -20,7 +20,16 @@ class TritonBackend(LoRABackend):
         return config.expand_in_consumer(x, consumer)
 
     def shrinks_in_consumer(self, x, weights, consumer):
-        return config.shrink_in_consumer(x, weights.max_rank)
+        routes = self.routes
+        if routes is None:
+            return config.shrink_in_consumer(x, weights.max_rank)
+        # An eager-prepared forward decides once per rows and rank (the checks cost ~7 us a
+        # module on the H200 host); ``prepare`` starts a new memo.
+        key = (x.shape[0], weights.max_rank)
+        route = routes.get(key)
+        if route is None:
+            route = routes[key] = config.shrink_in_consumer(x, weights.max_rank)
+        return route
 
     def expand_beside(self, x, consumer):
         return config.delta_beside(x, consumer)
