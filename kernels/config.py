@@ -113,12 +113,31 @@ read at import, -1: never). At decode the separate expand is a launch on the cri
 the base GEMM; it was most of LoRA's cost in a graph step (see docs/perf-notes.md)."""
 
 
+EAGER_EPILOGUE_MAX_ROWS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_MAX_ROWS", "1024"))
+"""Eager forwards of at most this many rows (and more than ``ROW_EPILOGUE_MAX_ROWS``) leave
+qkv's and o_proj's and down's expand to RoPE and the residual add + RMSNorm by rows too (read
+at import; 0: never): an eager step past the consumer-shrink budget is bound by its launches'
+host time (~50-80 us a LoRA launch on the H200 host), and this takes one launch a module off.
+Each row reads its adapter's B, so the GPU work grows with the rows; measured in
+docs/perf-notes.md."""
+
+
 def fused_expand(rows: int) -> bool:
     return rows >= FUSED_EXPAND_MIN_ROWS
 
 
 def row_epilogue(rows: int, consumer: str) -> bool:
     return rows <= ROW_EPILOGUE_MAX_ROWS[consumer]
+
+
+def pending_by_rows(x: torch.Tensor, consumer: str) -> bool:
+    """Whether ``consumer`` adds a pending term (the shrink's ``a``) to ``x``'s rows by rows:
+    few rows anywhere (``row_epilogue``), or an eager forward of up to
+    ``EAGER_EPILOGUE_MAX_ROWS`` rows for RoPE and the norm (SwiGLU takes it by blocks there,
+    ``fused_expand``). The projection and its consumer both ask this, of the same rows."""
+    rows = x.shape[0]
+    return row_epilogue(rows, consumer) or (
+        consumer != "silu_mul" and rows <= EAGER_EPILOGUE_MAX_ROWS and eager(x))
 
 
 def eager(x: torch.Tensor) -> bool:
@@ -178,9 +197,9 @@ def silu_shrink_groups(rows: int) -> int:
     return 4 if rows * 4 >= ROW_SHRINK_PROGRAMS else 8
 
 
-CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "1024"))
+CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "256"))
 CONSUMER_SHRINK_MAX_RANK = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_RANK", "64"))
-CONSUMER_SHRINK_ROW_RANKS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_ROW_RANKS", "16384"))
+CONSUMER_SHRINK_ROW_RANKS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_ROW_RANKS", "4096"))
 """Eager forwards of at most ``CONSUMER_SHRINK_MAX_ROWS`` rows, of weights whose largest rank
 is at most ``CONSUMER_SHRINK_MAX_RANK``, with rows x ``rank_block(max_rank)`` at most
 ``CONSUMER_SHRINK_ROW_RANKS``, leave a projection's whole LoRA term, shrink included, to the
@@ -191,9 +210,12 @@ grows with the rank; every row reads its adapter's A and B, so the GPU work grow
 rank. H200, 4 layers, 16 adapters, eager LoRA over eager base traffic: r=16 bs 1 / 8 / 32 /
 64, route off 1.64 / 1.65 / 1.62 / 1.65x, on 1.41 / 1.43 / 1.43 / 1.59x (first version); r=64
 one launch 1.59-1.70x, on with 128-column A tiles 1.45 / 1.45 / 1.37 / 1.42x. Above 64 rows
-(limit 64 / raised, r=16): decode bs 256 1.96 / 1.32x, full depth 2.23 / 1.33x; prefill 256
-tokens 1.94 / 1.31x, 1024 tokens 1.92 / 1.57x (there the by-rows kernels bound the step: 6.9
-ms of kernels against 3.3). Above rank 64 and 1024 rows: not measured."""
+(probe, limit 64 / raised, r=16): decode bs 256 1.96 / 1.32x, full depth 2.23 / 1.33x;
+prefill 256 tokens 1.94 / 1.31x, 1024 tokens 1.92 / 1.57x. Model suite with 1024 rows and a
+budget of 16384 (84e773e): prefill 1024 tokens 2.13-2.23x (1.40-1.94x before: the by-rows
+kernels bound the step, 6.9 ms of kernels against 3.3), the 8/16/64 pool at bs 256 2.46x
+(1.99x), r=64 at bs 256 2.01x (1.96x): hence 256 rows and 4096 (rank <= 16: 256 rows, rank
+64: 64). Above rank 64: not measured."""
 
 
 def shrink_in_consumer(x: torch.Tensor, max_rank: int) -> bool:
@@ -214,8 +236,7 @@ def expand_in_consumer(x: torch.Tensor, consumer: str) -> bool:
     """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
     "silu_mul" for gate_up, "norm" for o_proj and down). Callers check the eager one-launch
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
-    rows = x.shape[0]
-    return row_epilogue(rows, consumer) or (consumer == "silu_mul" and fused_expand(rows))
+    return pending_by_rows(x, consumer) or (consumer == "silu_mul" and fused_expand(x.shape[0]))
 
 
 DELTA_MAX_ROWS = {

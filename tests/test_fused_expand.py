@@ -49,6 +49,13 @@ beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwi
 "unshrunk": the consumer computes the shrink too (``UnshrunkLoRA``: by rows at any size)."""
 
 
+def _force_epilogue(monkeypatch, epilogue: str) -> None:
+    """The program shape ``epilogue`` names at every row count, eager or not (an eager
+    forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``)."""
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
+
+
 def _term(epilogue: str, lora: PendingLoRA, x: torch.Tensor):
     """The consumer's ``lora`` argument: the pending term, its delta as
     ``LoRABackend.linear_delta`` builds it (the expand into zeros), or the input ``x`` for
@@ -119,7 +126,7 @@ def _layout(plan, rows: int, padded: int, slots: int):
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dtype, data, seed):
-    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     g = torch.Generator().manual_seed(seed)
     inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
@@ -151,7 +158,7 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
                                                          seed):
     """By rows, as a delta, and (``blocks``) above the threshold: the separate expand into a
     copy. Unshrunk: a program per head, or per group of up to 8 heads (the last partial)."""
-    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     g = torch.Generator().manual_seed(seed)
     kv_heads, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 3]))
@@ -290,7 +297,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     buckets) equal each other and the merged model."""
     monkeypatch.setattr(config, "FUSED_EXPAND_MIN_ROWS", 0)
     monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
-    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "CONSUMER_SHRINK_MAX_ROWS", 10**9 * (epilogue == "unshrunk"))
     norm_calls = [1]
     if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
@@ -310,9 +317,13 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
                                   when=lambda a: a[-2] is False)
-    else:
+    else:  # graphs by blocks (qkv's, o_proj's and down's expand separate); eager forwards
+        # leave those three to RoPE and the norm by rows (``config.EAGER_EPILOGUE_MAX_ROWS``)
+        monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
-        rope_calls = [1]  # qkv's expand runs separately at every size
+        rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
+        norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
+                                  when=lambda a: a[-2] is False)
     with use_base_backend("triton"):
         h = Harness("triton", DEVICE, decode_buckets=[4], max_context=16, prefill_buckets=[24],
                     max_requests=4, slots=3, max_rank=8, dtype=torch.float32)

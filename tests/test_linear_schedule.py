@@ -137,12 +137,13 @@ def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_r
 
 
 @pytest.mark.parametrize(("rows", "max_rank", "want"), [
-    (1, 16, True), (64, 16, True), (64, 8, True), (256, 16, True),
-    (1024, 8, True), (1024, 16, True),  # rows x rank block 16384: at the budget
-    (1025, 8, False),  # past the row limit: the one-launch or split route
-    (2048, 16, False),  # the by-rows kernels would bound the step (1024 rows: 6.9 ms vs 3.3)
-    (64, 64, True), (256, 64, True),
-    (512, 32, True), (257, 64, False), (513, 32, False),  # past the rows x rank budget
+    (1, 16, True), (64, 16, True), (64, 8, True),
+    (256, 8, True), (256, 16, True),  # rows x rank block 4096: at the budget
+    (257, 8, False),  # past the row limit: the one-launch or split route
+    (1024, 16, False),  # the by-rows kernels bound the step (H200: 2.2x against 1.4-1.9x)
+    (64, 64, True), (128, 32, True),
+    (65, 64, False), (129, 32, False),  # past the rows x rank budget
+    (256, 64, False),  # (the 8/16/64 pool at bs 256: 2.46x against 1.99x)
     (1, 128, False),  # each program's serial shrink grows with the rank: not measured above 64
 ])
 def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, want):
