@@ -114,12 +114,17 @@ the base GEMM; it was most of LoRA's cost in a graph step (see docs/perf-notes.m
 
 
 EAGER_EPILOGUE_MAX_ROWS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_MAX_ROWS", "1024"))
-"""Eager forwards of at most this many rows (and more than ``ROW_EPILOGUE_MAX_ROWS``) leave
-qkv's and o_proj's and down's expand to RoPE and the residual add + RMSNorm by rows too (read
-at import; 0: never): an eager step past the consumer-shrink budget is bound by its launches'
-host time (~50-80 us a LoRA launch on the H200 host), and this takes one launch a module off.
-Each row reads its adapter's B, so the GPU work grows with the rows; measured in
-docs/perf-notes.md."""
+EAGER_EPILOGUE_ROW_RANKS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_ROW_RANKS", "16384"))
+"""Eager forwards of at most ``EAGER_EPILOGUE_MAX_ROWS`` rows, rows x ``rank_block(max_rank)``
+at most ``EAGER_EPILOGUE_ROW_RANKS``, leave qkv's and o_proj's and down's expand to RoPE and the
+residual add + RMSNorm by rows too (read at import; 0: never): an eager step past the
+consumer-shrink budget is bound by its launches' host time (~50-80 us a LoRA launch on the
+H200 host), and this takes one launch a module off. Each row reads its adapter's B, so the GPU
+work grows with rows x rank. H200, 4 layers, 16 adapters, eager LoRA over eager base, off /
+on: decode bs 256 r=64 2.06-1.99 / 1.89-1.90x, 8/16/64 pool 2.00-1.95 / 1.87-1.91x; prefill
+1024 tokens r=16 1.93-1.58 / 1.75-1.41x, 256 tokens 8/16/64 1.96 / 1.84x; but 1024 tokens of
+the 8/16/64 pool 1.45 / 2.03x (kernels 3.7 -> 6.0 ms) and 2048 tokens r=16 1.24-1.38 /
+1.39x."""
 
 
 def fused_expand(rows: int) -> bool:
@@ -130,14 +135,16 @@ def row_epilogue(rows: int, consumer: str) -> bool:
     return rows <= ROW_EPILOGUE_MAX_ROWS[consumer]
 
 
-def pending_by_rows(x: torch.Tensor, consumer: str) -> bool:
+def pending_by_rows(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
     """Whether ``consumer`` adds a pending term (the shrink's ``a``) to ``x``'s rows by rows:
-    few rows anywhere (``row_epilogue``), or an eager forward of up to
-    ``EAGER_EPILOGUE_MAX_ROWS`` rows for RoPE and the norm (SwiGLU takes it by blocks there,
-    ``fused_expand``). The projection and its consumer both ask this, of the same rows."""
+    few rows anywhere (``row_epilogue``), or an eager forward within the
+    ``EAGER_EPILOGUE_MAX_ROWS`` limits for RoPE and the norm (SwiGLU takes it by blocks there,
+    ``fused_expand``). The projection and its consumer both ask this, of the same rows and
+    weights."""
     rows = x.shape[0]
     return row_epilogue(rows, consumer) or (
-        consumer != "silu_mul" and rows <= EAGER_EPILOGUE_MAX_ROWS and eager(x))
+        consumer != "silu_mul" and rows <= EAGER_EPILOGUE_MAX_ROWS
+        and rows * rank_block(max_rank) <= EAGER_EPILOGUE_ROW_RANKS and eager(x))
 
 
 def eager(x: torch.Tensor) -> bool:
@@ -232,11 +239,12 @@ def row_block_n(block_r: int) -> int:
     return max(32, 4096 // block_r)
 
 
-def expand_in_consumer(x: torch.Tensor, consumer: str) -> bool:
+def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
     """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
     "silu_mul" for gate_up, "norm" for o_proj and down). Callers check the eager one-launch
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
-    return pending_by_rows(x, consumer) or (consumer == "silu_mul" and fused_expand(x.shape[0]))
+    return pending_by_rows(x, consumer, max_rank) or (
+        consumer == "silu_mul" and fused_expand(x.shape[0]))
 
 
 DELTA_MAX_ROWS = {

@@ -215,7 +215,8 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     check(lora.weights.slice_widths == widths,
           lambda: f"rope_and_cache_kv: the LoRA term's slices {lora.weights.slice_widths} are "
           f"not q, k, v of {widths} columns")
-    if not (isinstance(lora, UnshrunkLoRA) or config.pending_by_rows(qkv, "rope")):
+    if not (isinstance(lora, UnshrunkLoRA)
+            or config.pending_by_rows(qkv, "rope", lora.weights.max_rank)):
         # the separate expand, into a copy: qkv is an input
         return _rope_kv_op(lora.apply(qkv.clone()), positions, cos, sin, cache_loc, k_cache,
                            v_cache, heads)

@@ -209,3 +209,22 @@ def test_the_consumer_route_is_memoised_only_for_an_eager_prepare(monkeypatch):
     assert not backend.shrinks_in_consumer(x, w, "norm"), "a new prepare decides again"
     backend.reset_batch_state()
     assert backend.routes is None
+
+
+@pytest.mark.parametrize(("rows", "consumer", "max_rank", "want"), [
+    (8, "rope", 128, True),  # few rows: by rows anywhere (config.ROW_EPILOGUE_MAX_ROWS)
+    (64, "rope", 16, True), (1024, "norm", 16, True),  # eager: rows x rank block 16384
+    (256, "norm", 64, True), (257, "norm", 64, False),  # past the rows x rank budget
+    (1024, "rope", 64, False),  # (8/16/64 pool, 1024 tokens: 2.03x against 1.45x)
+    (2048, "norm", 8, False),  # past the row limit (r=16, 2048 tokens: no gain)
+    (64, "silu_mul", 16, False),  # SwiGLU takes a pending term by blocks there
+])
+def test_an_eager_pending_term_goes_to_its_consumer_by_rows_within_the_budget(
+        rows, consumer, max_rank, want):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.empty(rows, 8)
+    assert config.pending_by_rows(x, consumer, max_rank) is want
+    traced = []
+    make_fx(lambda t: traced.append(config.pending_by_rows(t, consumer, max_rank)) or t)(x)
+    assert traced == [config.row_epilogue(rows, consumer)], "a trace keeps the graph's shape"

@@ -116,7 +116,7 @@ class DeferredExpandLinear(LinearWithLoRA):
             out = self._routed(x, self.consumer)
             if out is not None:
                 return out
-            if self.backend.fuses_expand(x, self.consumer):
+            if self.backend.fuses_expand(x, self.lora, self.consumer):
                 return self.backend.linear_deferred(self._base_call(), x.contiguous(),
                                                     self.lora, self.rows)
             return self._split(x), None

@@ -143,7 +143,7 @@ class LoRABackend:
         self.shrink_expand(x, weights, y, layout)
         return y
 
-    def fuses_expand(self, x: torch.Tensor, consumer: str) -> bool:
+    def fuses_expand(self, x: torch.Tensor, weights: LoRAWeights, consumer: str) -> bool:
         """Whether a projection of ``x``'s rows may leave its expand to ``consumer``
         (``linear_deferred``; "rope" for qkv, "silu_mul" for gate_up): only backends whose
         consumer kernels read its layout."""

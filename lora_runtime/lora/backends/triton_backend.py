@@ -16,8 +16,8 @@ from lora_runtime.lora.backends.base import LoRABackend
 class TritonBackend(LoRABackend):
     name = "triton"
 
-    def fuses_expand(self, x, consumer):
-        return config.expand_in_consumer(x, consumer)
+    def fuses_expand(self, x, weights, consumer):
+        return config.expand_in_consumer(x, consumer, weights.max_rank)
 
     def shrinks_in_consumer(self, x, weights, consumer):
         routes = self.routes
