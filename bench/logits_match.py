@@ -15,9 +15,13 @@ greedy-token check below stays exact where the top-2 margin is clear: above ``BF
 scaled by the same factor (each logit's error grows like the row's). A fixed 0.1 flipped one
 token of the full-depth bs-16 case in two model-suite runs (fe9f0c0, 7117719; row errors
 0.059 and 0.060, within their limit), the second with the graph and eager paths of that
-case unchanged from runs that passed."""
+case unchanged from runs that passed. A margin is also clear only above ``NOISE_SIGMAS`` times
+the row's own rounding noise (its errors' median absolute value, as a normal sigma): at bs 256
+with the 8/16/64 pool one token flipped at 4 layers with the row error at 0.0195 (ea3b5a0),
+where 0.1 was within the noise of 128256 logits that all moved."""
 TOL_DEPTH = 4
 BF16_MARGIN = 0.1
+NOISE_SIGMAS = 10.0
 
 
 def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
@@ -41,10 +45,13 @@ def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
     row_err = float(((g - e).norm(dim=-1) / e.norm(dim=-1)).max())
     top2 = e.topk(2, dim=-1).values
     margin = BF16_MARGIN * depth
-    clear = (top2[:, 0] - top2[:, 1]) > margin
+    # The median ignores the few logits a real fault would move: only a row's broad noise
+    # widens its margin.
+    noise = 1.4826 * (g - e).abs().median(dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > torch.clamp(NOISE_SIGMAS * noise, min=margin)
     flipped = int((g.argmax(-1) != e.argmax(-1))[clear].sum())
     if row_err > tol or flipped:
         raise AssertionError(f"{what}: worst row relative error {row_err:.3g} (limit {tol}), "
                              f"{flipped} greedy tokens differ where the top-2 margin exceeds "
-                             f"{margin:.3g}")
+                             f"{margin:.3g} and {NOISE_SIGMAS:g} times the row's noise")
     return row_err
