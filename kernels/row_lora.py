@@ -97,9 +97,9 @@ class UnshrunkLoRA:
         return (self.layout.token_slots, self.x, *tail)
 
 
+# ``row_lora_a``'s default, not a global the kernels read: Triton compares every global a
+# kernel reads with its compile-time value at each launch (~3 us a launch on the H200 host).
 _RANK_CHUNK = tl.constexpr(config.ROW_RANK_CHUNK)
-# A default, not a global the kernels read: Triton compares every global a kernel reads with
-# its compile-time value at each launch (~3 us a launch on the H200 host).
 
 
 @triton.jit
@@ -128,8 +128,6 @@ def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank,
         a = tl.load(src_ptr + row * stride_s0 + (sl * max_rank + offs_r) * stride_s1,
                     mask=r_mask, other=0.0)
     return a.to(b_ptr.dtype.element_ty).to(tl.float32), slot, rank, scale
-
-
 
 
 @triton.jit
