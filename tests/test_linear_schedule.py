@@ -131,6 +131,7 @@ def test_graph_branches_join_before_the_output_is_read(schedule, rows):
     (64, 64, 16, True),  # 2048: at the budget
     (64, 64, 64, False),  # 5120: the recomputation bound the H200 step (3.00x against 2.24x)
     (65, 1, 16, False),  # past the row limit
+    (32, 0, 256, True),  # no block (every row neutral): nothing to recompute
 ])
 def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_rank, want):
     assert config.one_launch_lora(torch.empty(rows, 8), blocks, 16, max_rank) is want
@@ -170,8 +171,9 @@ def test_a_triton_linear_takes_the_route_the_budget_allows(monkeypatch, data):
         monkeypatch.setattr(TritonBackend, name, lambda self, *a, real=real, key=key: (
             launches.__setitem__(key, launches[key] + 1), real(self, *a))[1])
     y = backend.linear(lambda v: v @ w.T, x, case.weights, RowSet.TOKENS)
-    rows = x.shape[0]
-    want_one = rows == 0 or (rows <= config.ONE_LAUNCH_MAX_ROWS and budget > 0)
+    rows, blocks = x.shape[0], case.layout.block_slots.shape[0]
+    # No block (every row neutral): nothing to recompute, within any budget.
+    want_one = rows == 0 or (rows <= config.ONE_LAUNCH_MAX_ROWS and (budget > 0 or blocks == 0))
     assert launches == {"one": int(want_one), "two": int(not want_one)}, (rows, budget)
     ref = (x.double() @ w.double().T).cpu() + lora_delta_f64(x, case.weights, case.token_slots)
     assert rel_err(y.cpu(), ref) < TOL[torch.float32]
