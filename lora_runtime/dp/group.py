@@ -55,4 +55,9 @@ def shutdown(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            # Hazard: a rank that tears its gloo pairs down while a peer still completes the
+            # last collective aborts that peer ("terminate called without an active
+            # exception", SIGABRT; seen once in CI on 2 cores): leave together.
+            dist.barrier()
         dist.destroy_process_group()
