@@ -17,18 +17,23 @@ class TritonBackend(LoRABackend):
     name = "triton"
 
     def fuses_expand(self, x, weights, consumer):
-        return config.expand_in_consumer(x, consumer, weights.max_rank)
+        return self._route(("expand", consumer, x.shape[0], weights.max_rank),
+                           lambda: config.expand_in_consumer(x, consumer, weights.max_rank))
 
     def shrinks_in_consumer(self, x, weights, consumer):
+        return self._route(("shrink", x.shape[0], weights.max_rank),
+                           lambda: config.shrink_in_consumer(x, weights.max_rank))
+
+    def _route(self, key, decide):
+        """``decide()``, once per key for an eager-prepared forward (its capture and tracer
+        checks cost ~7 us a module on the H200 host; ``prepare`` starts a new memo), every
+        call otherwise."""
         routes = self.routes
         if routes is None:
-            return config.shrink_in_consumer(x, weights.max_rank)
-        # An eager-prepared forward decides once per rows and rank (the checks cost ~7 us a
-        # module on the H200 host); ``prepare`` starts a new memo.
-        key = (x.shape[0], weights.max_rank)
+            return decide()
         route = routes.get(key)
         if route is None:
-            route = routes[key] = config.shrink_in_consumer(x, weights.max_rank)
+            route = routes[key] = decide()
         return route
 
     def expand_beside(self, x, consumer):
