@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -225,12 +226,50 @@ kernels bound the step, 6.9 ms of kernels against 3.3), the 8/16/64 pool at bs 2
 64: 64). Above rank 64: not measured."""
 
 
-def shrink_in_consumer(x: torch.Tensor, max_rank: int) -> bool:
-    """Eager (no capture, no tracer: a graph must read its static layout), within the rows,
-    rank and rows x rank limits (``CONSUMER_SHRINK_MAX_ROWS``)."""
+UNSHRUNK_BLOCKS_MIN_ROWS = {
+    "silu_mul": int(os.environ.get("MULTILORA_SILU_UNSHRUNK_BLOCKS_MIN_ROWS", "32")),
+}
+"""From this many rows a consumer computes an unshrunk term by blocks of ``FUSE_BLOCK_M``
+permuted rows (``kernels.lora_epilogue.block_shrink``: a ``tl.dot`` loop per distinct slot of
+the block, A read once a block and column group) instead of by rows (A read once a row and
+column group). Read at import; only SwiGLU has the by-blocks shape. Below it a block of few
+rows holds many slots, each a serial loop over K."""
+
+BLOCK_SHRINK_PROGRAMS = int(os.environ.get("MULTILORA_BLOCK_SHRINK_PROGRAMS", "132"))
+"""Programs a by-blocks consumer that computes its shrink aims for (one per H200 SM): each
+column group repeats its block's shrink."""
+
+CONSUMER_SHRINK_BLOCKS_MAX_ROWS = int(os.environ.get(
+    "MULTILORA_CONSUMER_SHRINK_BLOCKS_MAX_ROWS", "1024"))
+"""Eager forwards of at most this many rows leave gate_up's whole term to SwiGLU by blocks
+(``UNSHRUNK_BLOCKS_MIN_ROWS``; rank limit ``CONSUMER_SHRINK_MAX_RANK``): its recomputation
+grows with rows, not rows x rank."""
+
+
+def unshrunk_by_blocks(rows: int, consumer: str) -> bool:
+    return rows >= UNSHRUNK_BLOCKS_MIN_ROWS.get(consumer, sys.maxsize)
+
+
+def block_shrink_groups(blocks: int, tiles: int) -> int:
+    """Column groups of a by-blocks consumer that computes its shrink: ``BLOCK_SHRINK_PROGRAMS``
+    programs over ``blocks`` row blocks, at most one a column tile."""
+    return max(1, min(tiles, cdiv(BLOCK_SHRINK_PROGRAMS, blocks)))
+
+
+def shrink_in_consumer(x: torch.Tensor, max_rank: int, consumer: str) -> bool:
+    """Eager (no capture, no tracer: a graph must read its static layout), within the rank
+    limit, and within the rows limit of ``consumer``'s program shape: by blocks
+    (``CONSUMER_SHRINK_BLOCKS_MAX_ROWS``) or by rows (``CONSUMER_SHRINK_MAX_ROWS`` and the
+    rows x rank budget)."""
     rows = x.shape[0]
-    return (rows <= CONSUMER_SHRINK_MAX_ROWS and max_rank <= CONSUMER_SHRINK_MAX_RANK
-            and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS and eager(x))
+    if max_rank > CONSUMER_SHRINK_MAX_RANK:
+        return False
+    if unshrunk_by_blocks(rows, consumer):
+        within = rows <= CONSUMER_SHRINK_BLOCKS_MAX_ROWS
+    else:
+        within = (rows <= CONSUMER_SHRINK_MAX_ROWS
+                  and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS)
+    return within and eager(x)
 
 
 def row_block_n(block_r: int) -> int:

@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import config
 from kernels.checks import check
 from kernels.expand import check_expand_args, check_shrunk, lora_expand
-from kernels.row_lora import row_args
+from kernels.row_lora import block_args, row_args
 from kernels.segments import SegmentLayout
+from kernels.shrink import shrink_rows
 from kernels.weights import LoRAWeights
 
 FUSE_BLOCK_M = 16
@@ -65,13 +65,8 @@ class PendingLoRA:
         check_shrunk(self.a, self.weights, y.shape[0])
 
     def fused_args(self) -> tuple:
-        """What a consumer's op takes after its own arguments: the kernel's LoRA arguments
-        (``lora_rows`` / ``lora_delta`` order), then NUM_SLICES, BLOCK_R and PRECISION."""
-        w, a, b = self.weights, self.a, self.weights.lora_b
-        return (a, b, self.layout.permutation, self.layout.token_slots, w.ranks, w.scalings,
-                w.max_rank, w.neutral_slot + 1, a.stride(0), a.stride(1), b.stride(0),
-                b.stride(1), b.stride(2), w.num_slices, config.rank_block(w.max_rank),
-                config.dot_precision(b.dtype))
+        """What a by-blocks consumer's op takes after its own arguments (``block_args``)."""
+        return block_args(self.a, self.weights, self.layout, shrink=False)
 
     def row_args(self) -> tuple:
         """What a by-rows consumer's op takes after its own arguments (``kernels.row_lora``)."""
@@ -111,16 +106,45 @@ def lora_rows(perm_ptr, slots_ptr, first, n_rows, sentinel, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def lora_delta(a_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, sentinel,
-               stride_am, stride_ar, stride_bs, stride_bn, stride_br,
-               rows, m_mask, slots, offs_n, n_mask, sl,
+def block_a(a_ptr, rows, m_mask, sl, max_rank, stride_am, stride_ar, BLOCK_R: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_R]``: a pending term's ``a`` of slice ``sl`` for ``rows``
+    (undefined where the shrink left it so: ``lora_delta`` selects, never multiplies)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :]
+                   * stride_ar, mask=m_mask[:, None] & (offs_r < max_rank)[None, :], other=0.0)
+
+
+@triton.jit
+def block_shrink(x_ptr, la_ptr, ranks_ptr, max_rank, sentinel, K, stride_xm, stride_xk,
+                 stride_as, stride_ar, stride_ak, rows, m_mask, slots, sl,
+                 NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_R]``: each row's ``x[row] @ A[its slot, slice sl]^T`` over the
+    whole K, one ``tl.dot`` loop per distinct slot of the block (an unshrunk term by blocks:
+    A is read once a block, not once a row); zero past a slot's rank and for rank 0."""
+    offs_r = tl.arange(0, BLOCK_R)
+    a = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    cur = tl.min(slots, 0)
+    while cur < sentinel:
+        rank = tl.load(ranks_ptr + cur * NUM_SLICES + sl)
+        if rank > 0:
+            a += shrink_rows(x_ptr, la_ptr, rows, m_mask & (slots == cur), cur,
+                             sl * max_rank + offs_r, offs_r < rank, K, 0, K, stride_xm,
+                             stride_xk, stride_as, stride_ar, stride_ak, BLOCK_M, BLOCK_R,
+                             BLOCK_K, PRECISION)
+        cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
+    return a
+
+
+@triton.jit
+def lora_delta(a, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br,
+               slots, offs_n, n_mask, sl,
                NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_N]``: slice ``sl``'s LoRA term at B rows ``offs_n`` (zero for
-    rows without one). Each row's value is its slot's ``scaling * dot``, as in the expand."""
+    """fp32 ``[BLOCK_M, BLOCK_N]``: slice ``sl``'s LoRA term at B rows ``offs_n`` of rows whose
+    ``a`` is given (``block_a`` or ``block_shrink``; zero for rows without one). Each row's
+    value is its slot's ``scaling * dot``, as in the expand."""
     offs_r = tl.arange(0, BLOCK_R)
-    a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :] * stride_ar,
-                mask=m_mask[:, None] & (offs_r < max_rank)[None, :], other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     cur = tl.min(slots, 0)
     while cur < sentinel:

@@ -44,6 +44,23 @@ def row_args(src: torch.Tensor, weights: LoRAWeights, shrink: bool) -> tuple:
             config.row_shrink_k_block(c[-1], max(k, 1)))
 
 
+def block_args(src: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout,
+               shrink: bool) -> tuple:
+    """What a by-blocks consumer's op takes after its own arguments (``kernels.lora_epilogue``:
+    ``src``, B, the layout's permutation and ``token_slots``, ranks, scalings, max_rank, the
+    sentinel slot, ``src``'s and B's strides, then A, K and A's strides, NUM_SLICES, BLOCK_R,
+    PRECISION, SHRINK, BLOCK_K): ``src`` is ``a`` (``shrink`` False; A unused) or the
+    projection's input, whose rows the program shrinks a block at a time."""
+    w, b = weights, weights.lora_b
+    block_r = config.rank_block(w.max_rank)
+    la, k = (w.lora_a, src.shape[1]) if shrink else (src, 0)
+    a_strides = la.stride() if shrink else (0, 0, 0)
+    return (src, b, layout.permutation, layout.token_slots, w.ranks, w.scalings, w.max_rank,
+            w.neutral_slot + 1, *src.stride(), *b.stride(), la, k, *a_strides, w.num_slices,
+            block_r, config.dot_precision(b.dtype), shrink,
+            config.shrink_k_block(block_r, k) if shrink else 16)
+
+
 def _constants(w: LoRAWeights) -> tuple:
     """A, B, ranks, scalings, max_rank, A's and B's strides, NUM_SLICES, BLOCK_R: built once
     per weights (fixed buffers that the slot pool writes in place)."""
@@ -90,6 +107,9 @@ class UnshrunkLoRA:
         check_shrink_args(x, w, layout, what)
         self._tail = row_args(x, w, shrink=True)[1:]
         w.unshrunk_checked = (c, sig, self._tail)
+
+    def block_args(self) -> tuple:
+        return block_args(self.x, self.weights, self.layout, shrink=True)
 
     def row_args(self) -> tuple:
         tail = self._tail if self._tail is not None else row_args(self.x, self.weights,

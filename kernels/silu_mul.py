@@ -11,7 +11,15 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
-from kernels.lora_epilogue import FUSE_BLOCK_M, LoRADelta, PendingLoRA, lora_delta, lora_rows
+from kernels.lora_epilogue import (
+    FUSE_BLOCK_M,
+    LoRADelta,
+    PendingLoRA,
+    block_a,
+    block_shrink,
+    lora_delta,
+    lora_rows,
+)
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
 
@@ -40,29 +48,44 @@ def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, inter, stride_x, stride_d, stride_o,
 @triton.jit
 def _silu_mul_lora_kernel(
     x_ptr, out_ptr, inter, n_rows, stride_x, stride_o,
-    a_ptr, b_ptr, perm_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, sentinel,
-    stride_am, stride_ar, stride_bs, stride_bn, stride_br,
+    src_ptr, b_ptr, perm_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, sentinel,
+    stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
+    la_ptr, K, stride_as, stride_ar, stride_ak,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SHRINK: tl.constexpr,
+    BLOCK_K: tl.constexpr, TILES: tl.constexpr,
 ):
+    """Grid (blocks of ``BLOCK_M`` permuted rows, column groups): a program's ``a`` (both
+    slices; loaded, or with ``SHRINK`` computed from the projection's input ``src``) serves
+    ``TILES`` tiles of ``BLOCK_N`` columns."""
     rows, m_mask, slots = lora_rows(perm_ptr, slots_ptr, tl.program_id(0) * BLOCK_M, n_rows,
                                     sentinel, BLOCK_M)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs < inter
-    mask = m_mask[:, None] & n_mask[None, :]
-    ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
-    gate = tl.load(ptrs, mask=mask, other=0.0)
-    up = tl.load(ptrs + inter, mask=mask, other=0.0)
-    lora = (a_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, sentinel, stride_am, stride_ar,
-            stride_bs, stride_bn, stride_br, rows, m_mask, slots)
-    gate = (gate.to(tl.float32) + lora_delta(*lora, offs, n_mask, 0, NUM_SLICES, BLOCK_M,
-                                             BLOCK_N, BLOCK_R, PRECISION)).to(gate.dtype)
-    up = (up.to(tl.float32) + lora_delta(*lora, inter + offs, n_mask, 1, NUM_SLICES, BLOCK_M,
-                                         BLOCK_N, BLOCK_R, PRECISION)).to(gate.dtype)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :],
-             (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    if SHRINK:
+        shrink = (src_ptr, la_ptr, ranks_ptr, max_rank, sentinel, K, stride_sm, stride_sr,
+                  stride_as, stride_ar, stride_ak, rows, m_mask, slots)
+        a_g = block_shrink(*shrink, 0, NUM_SLICES, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        a_u = block_shrink(*shrink, 1, NUM_SLICES, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+    else:
+        a_g = block_a(src_ptr, rows, m_mask, 0, max_rank, stride_sm, stride_sr, BLOCK_R)
+        a_u = block_a(src_ptr, rows, m_mask, 1, max_rank, stride_sm, stride_sr, BLOCK_R)
+    lora = (b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br, slots)
+    for i in range(TILES):
+        offs = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs < inter
+        mask = m_mask[:, None] & n_mask[None, :]
+        ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + inter, mask=mask, other=0.0)
+        gate = (gate.to(tl.float32) + lora_delta(a_g, *lora, offs, n_mask, 0, NUM_SLICES,
+                                                 BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+                ).to(gate.dtype)
+        up = (up.to(tl.float32) + lora_delta(a_u, *lora, inter + offs, n_mask, 1, NUM_SLICES,
+                                             BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+              ).to(gate.dtype)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :],
+                 (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -118,7 +141,12 @@ def silu_mul(gate_up: torch.Tensor,
     check(w.slice_widths == (gate_up.shape[1] // 2,) * 2,
           lambda: f"silu_mul: the LoRA term's slices {w.slice_widths} are not gate and up of "
           f"{gate_up.shape[1] // 2} columns each")
-    if isinstance(lora, UnshrunkLoRA) or config.row_epilogue(gate_up.shape[0], "silu_mul"):
+    rows = gate_up.shape[0]
+    if isinstance(lora, UnshrunkLoRA):
+        if config.unshrunk_by_blocks(rows, "silu_mul"):
+            return _silu_mul_lora_op(gate_up, *lora.block_args())
+        return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
+    if config.row_epilogue(rows, "silu_mul"):
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
     return _silu_mul_lora_op(gate_up, *lora.fused_args())
 
@@ -147,21 +175,27 @@ def _(gate_up, delta=None):
 
 @traced_op("multilora::silu_mul_lora", mutates_args=())
 def _silu_mul_lora_op(
-    gate_up: torch.Tensor, a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor,
+    gate_up: torch.Tensor, src: torch.Tensor, b: torch.Tensor, perm: torch.Tensor,
     slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int,
-    sentinel: int, s_am: int, s_ar: int, s_bs: int, s_bn: int, s_br: int,
-    NUM_SLICES: int, BLOCK_R: int, PRECISION: str,
+    sentinel: int, s_sm: int, s_sr: int, s_bs: int, s_bn: int, s_br: int, la: torch.Tensor,
+    K: int, s_as: int, s_ar: int, s_ak: int, NUM_SLICES: int, BLOCK_R: int, PRECISION: str,
+    SHRINK: bool, BLOCK_K: int,
 ) -> torch.Tensor:
     out = _out(gate_up)
     rows, inter = out.shape
     if rows:
         block_n = min(LORA_BLOCK_N, config.next_pow2(inter))
-        grid = (config.cdiv(rows, FUSE_BLOCK_M), config.cdiv(inter, block_n))
-        _silu_mul_lora_kernel[grid](
+        blocks, tiles = config.cdiv(rows, FUSE_BLOCK_M), config.cdiv(inter, block_n)
+        # A program that computes its block's shrink serves more columns with it.
+        per_program = config.cdiv(tiles, config.block_shrink_groups(blocks, tiles)) if (
+            SHRINK) else 1
+        _silu_mul_lora_kernel[(blocks, config.cdiv(tiles, per_program))](
             gate_up, out, inter, rows, gate_up.stride(0), out.stride(0),
-            a, b, perm, slots, ranks, scalings, max_rank, sentinel, s_am, s_ar, s_bs, s_bn, s_br,
-            NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
-            PRECISION=PRECISION, num_warps=4)
+            src, b, perm, slots, ranks, scalings, max_rank, sentinel, s_sm, s_sr, s_bs, s_bn,
+            s_br, la, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M,
+            BLOCK_N=block_n, BLOCK_R=BLOCK_R, PRECISION=PRECISION, SHRINK=SHRINK,
+            BLOCK_K=BLOCK_K, TILES=per_program,
+            num_warps=config.num_warps(FUSE_BLOCK_M, BLOCK_K) if SHRINK else 4)
     return out
 
 

@@ -49,18 +49,24 @@ beforehand into a float32 delta (``LoRADelta``) that the consumer adds elementwi
 "unshrunk": the consumer computes the shrink too (``UnshrunkLoRA``: by rows at any size)."""
 
 
+UNSHRUNK = ("unshrunk", "unshrunk_blocks")
+"""SwiGLU's unshrunk term forced by rows or by blocks (``config.UNSHRUNK_BLOCKS_MIN_ROWS``)."""
+
+
 def _force_epilogue(monkeypatch, epilogue: str) -> None:
     """The program shape ``epilogue`` names at every row count, eager or not (an eager
     forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``)."""
-    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue])
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue.split("_")[0]])
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
+    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS",
+                        {"silu_mul": 0 if epilogue == "unshrunk_blocks" else 10**9})
 
 
 def _term(epilogue: str, lora: PendingLoRA, x: torch.Tensor):
     """The consumer's ``lora`` argument: the pending term, its delta as
     ``LoRABackend.linear_delta`` builds it (the expand into zeros), or the input ``x`` for
     the consumer to shrink."""
-    if epilogue == "unshrunk":
+    if epilogue in UNSHRUNK:
         return UnshrunkLoRA(x, lora.weights, lora.layout)
     if epilogue != "delta":
         return lora
@@ -121,17 +127,19 @@ def _layout(plan, rows: int, padded: int, slots: int):
     return static.view(padded)
 
 
-@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("epilogue", [*EPILOGUES, "unshrunk_blocks"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dtype, data, seed):
+    """Unshrunk by blocks: one column group a program or a group of several tiles."""
     _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
+    monkeypatch.setattr(config, "BLOCK_SHRINK_PROGRAMS", data.draw(st.sampled_from([1, 10**9])))
     g = torch.Generator().manual_seed(seed)
     inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
     x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype,
-                                                    long_k=epilogue == "unshrunk")
+                                                    long_k=epilogue in UNSHRUNK)
     y = torch.randn(x.shape[0], 2 * inter, generator=g).to(dtype).to(DEVICE)
     got = silu_mul(y, _term(epilogue, lora, x))
     assert got.shape == (x.shape[0], inter) and torch.isfinite(got).all()
@@ -299,10 +307,13 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
     _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "CONSUMER_SHRINK_MAX_ROWS", 10**9 * (epilogue == "unshrunk"))
-    norm_calls = [1]
+    norm_calls = blocks_calls = [1]
     if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
+        # SwiGLU's by rows at decode (3 rows), by blocks at prefill (12 rows)
+        monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 8})
         shrinks = lambda a: a[-2] is True  # noqa: E731  (the ops' SHRINK argument)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op", when=shrinks)
+        blocks_calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op", when=shrinks)
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op", when=shrinks)
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
                                   when=shrinks)
@@ -340,6 +351,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         release(reqs, h.runner.kv)
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
+    assert blocks_calls, "SwiGLU never computed an unshrunk term by blocks"
     assert rope_calls, "RoPE with the qkv term never ran"
     assert norm_calls, "no norm added a LoRA term"
     assert epilogue != "unshrunk" or not one_launch, "an eager LoRA term was launched"

@@ -148,7 +148,22 @@ def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_r
     (1, 128, False),  # each program's serial shrink grows with the rank: not measured above 64
 ])
 def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, want):
-    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank) is want
+    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "norm") is want
+
+
+@pytest.mark.parametrize(("rows", "max_rank", "want"), [
+    (16, 64, True),  # by rows: 16 x 64 within the rows x rank budget
+    (31, 128, False),  # by rows, past the rank limit
+    (32, 64, True), (256, 64, True), (1024, 64, True),  # by blocks: rows alone bound it
+    (1025, 16, False),  # past the by-blocks row limit
+    (256, 128, False),  # the rank limit holds by blocks too
+])
+def test_swiglu_takes_the_unshrunk_term_by_blocks_to_more_rows(monkeypatch, rows, max_rank, want):
+    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 32})
+    monkeypatch.setattr(config, "CONSUMER_SHRINK_BLOCKS_MAX_ROWS", 1024)
+    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "silu_mul") is want
+    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "norm") is (
+        want and rows * config.rank_block(max_rank) <= 4096)
 
 
 @settings(max_examples=6, deadline=None)

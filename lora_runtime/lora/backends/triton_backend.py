@@ -21,8 +21,8 @@ class TritonBackend(LoRABackend):
                            lambda: config.expand_in_consumer(x, consumer, weights.max_rank))
 
     def shrinks_in_consumer(self, x, weights, consumer):
-        return self._route(("shrink", x.shape[0], weights.max_rank),
-                           lambda: config.shrink_in_consumer(x, weights.max_rank))
+        return self._route(("shrink", consumer, x.shape[0], weights.max_rank),
+                           lambda: config.shrink_in_consumer(x, weights.max_rank, consumer))
 
     def _route(self, key, decide):
         """``decide()``, once per key for an eager-prepared forward (its capture and tracer
