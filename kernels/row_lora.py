@@ -58,7 +58,7 @@ def block_args(src: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout,
     return (src, b, layout.permutation, layout.token_slots, w.ranks, w.scalings, w.max_rank,
             w.neutral_slot + 1, *src.stride(), *b.stride(), la, k, *a_strides, w.num_slices,
             block_r, config.dot_precision(b.dtype), shrink,
-            config.shrink_k_block(block_r, k) if shrink else 16)
+            config.block_shrink_k_block(block_r, k) if shrink else 16)
 
 
 def _constants(w: LoRAWeights) -> tuple:

@@ -58,8 +58,8 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``)."""
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue.split("_")[0]])
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
-    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS",
-                        {"silu_mul": 0 if epilogue == "unshrunk_blocks" else 10**9})
+    blocks = epilogue == "unshrunk_blocks"
+    monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
 
 
 def _term(epilogue: str, lora: PendingLoRA, x: torch.Tensor):
@@ -310,7 +310,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     norm_calls = blocks_calls = [1]
     if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
         # SwiGLU's by rows at decode (3 rows), by blocks at prefill (12 rows)
-        monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 8})
+        monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: rows > 8)
         shrinks = lambda a: a[-2] is True  # noqa: E731  (the ops' SHRINK argument)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op", when=shrinks)
         blocks_calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op", when=shrinks)

@@ -148,22 +148,26 @@ def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_r
     (1, 128, False),  # each program's serial shrink grows with the rank: not measured above 64
 ])
 def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, want):
-    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "norm") is want
+    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "norm", 1) is want
 
 
-@pytest.mark.parametrize(("rows", "max_rank", "want"), [
-    (16, 64, True),  # by rows: 16 x 64 within the rows x rank budget
-    (31, 128, False),  # by rows, past the rank limit
-    (32, 64, True), (256, 64, True), (1024, 64, True),  # by blocks: rows alone bound it
-    (1025, 16, False),  # past the by-blocks row limit
-    (256, 128, False),  # the rank limit holds by blocks too
+@pytest.mark.parametrize(("rows", "blocks", "max_rank", "want"), [
+    (16, 1, 64, True),  # by rows: 16 x 64 within the rows x rank budget
+    (127, 1, 128, False),  # by rows, past the rank limit
+    (128, 8, 64, True), (256, 16, 64, True), (1024, 64, 64, True),  # by windows
+    (256, 17, 64, False),  # more blocks than windows: by rows, past its budget
+    (256, 64, 16, True),  # the same, within the by-rows budget
+    (1040, 8, 16, False),  # past the by-windows row limit
+    (256, 1, 128, False),  # the rank limit holds by windows too
 ])
-def test_swiglu_takes_the_unshrunk_term_by_blocks_to_more_rows(monkeypatch, rows, max_rank, want):
-    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 32})
+def test_swiglu_takes_the_unshrunk_term_by_windows_of_about_one_adapter(monkeypatch, rows,
+                                                                        blocks, max_rank, want):
+    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 128})
     monkeypatch.setattr(config, "CONSUMER_SHRINK_BLOCKS_MAX_ROWS", 1024)
-    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "silu_mul") is want
-    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "norm") is (
-        want and rows * config.rank_block(max_rank) <= 4096)
+    x = torch.empty(rows, 8)
+    assert config.shrink_in_consumer(x, max_rank, "silu_mul", blocks) is want
+    by_rows = rows <= 256 and rows * config.rank_block(max_rank) <= 4096 and max_rank <= 64
+    assert config.shrink_in_consumer(x, max_rank, "norm", blocks) is by_rows
 
 
 @settings(max_examples=6, deadline=None)

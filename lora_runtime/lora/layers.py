@@ -81,7 +81,7 @@ class LinearWithLoRA(LoRALayer):
         """``(output, UnshrunkLoRA)`` where the backend leaves the whole LoRA term to
         ``consumer`` (eager, few rows: no LoRA launch; ``backend.shrinks_in_consumer``), else
         None. Checked before the one-launch route, which still launches."""
-        if self.backend.shrinks_in_consumer(x, self.lora, consumer):
+        if self.backend.shrinks_in_consumer(x, self.lora, consumer, self.rows):
             return self.backend.linear_unshrunk(self._base_call(), x.contiguous(), self.lora,
                                                 self.rows)
         return None

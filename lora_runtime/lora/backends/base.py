@@ -159,10 +159,12 @@ class LoRABackend:
         a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x.device)
         return y, PendingLoRA(a, weights, layout)
 
-    def shrinks_in_consumer(self, x: torch.Tensor, weights: LoRAWeights, consumer: str) -> bool:
-        """Whether a projection of ``x``'s rows leaves its whole LoRA term, shrink included,
-        to ``consumer`` ("rope", "silu_mul", "norm"; ``linear_unshrunk``): only backends
-        whose consumer kernels compute it (eager forwards of few rows)."""
+    def shrinks_in_consumer(self, x: torch.Tensor, weights: LoRAWeights, consumer: str,
+                            rows: RowSet = RowSet.TOKENS) -> bool:
+        """Whether a projection of ``x``'s rows (those of ``rows``' layout) leaves its whole
+        LoRA term, shrink included, to ``consumer`` ("rope", "silu_mul", "norm";
+        ``linear_unshrunk``): only backends whose consumer kernels compute it (eager forwards
+        of few rows)."""
         return False
 
     def linear_unshrunk(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

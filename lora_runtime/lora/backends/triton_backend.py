@@ -10,7 +10,7 @@ from kernels import (
     lora_shrink_expand,
     lora_shrink_with_delta,
 )
-from lora_runtime.lora.backends.base import LoRABackend
+from lora_runtime.lora.backends.base import LoRABackend, RowSet
 
 
 class TritonBackend(LoRABackend):
@@ -20,9 +20,13 @@ class TritonBackend(LoRABackend):
         return self._route(("expand", consumer, x.shape[0], weights.max_rank),
                            lambda: config.expand_in_consumer(x, consumer, weights.max_rank))
 
-    def shrinks_in_consumer(self, x, weights, consumer):
-        return self._route(("shrink", consumer, x.shape[0], weights.max_rank),
-                           lambda: config.shrink_in_consumer(x, weights.max_rank, consumer))
+    def shrinks_in_consumer(self, x, weights, consumer, rows=RowSet.TOKENS):
+        def decide():
+            layout = self.ready_layout(rows)
+            blocks = 0 if layout is None else layout.block_slots.shape[0]
+            return config.shrink_in_consumer(x, weights.max_rank, consumer, blocks)
+
+        return self._route(("shrink", consumer, x.shape[0], weights.max_rank), decide)
 
     def _route(self, key, decide):
         """``decide()``, once per key for an eager-prepared forward (its capture and tracer
