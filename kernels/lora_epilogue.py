@@ -15,9 +15,12 @@ Two program shapes:
   B columns, and sums ``a * B`` over the rank (no ``tl.dot``: one row). No slot loop, so
   decode rows of many adapters cost what rows of one do.
 - by blocks (``lora_delta``, gate_up from ``config.FUSED_EXPAND_MIN_ROWS`` rows): a program
-  covers ``BLOCK_M`` consecutive rows of the layout's permutation, so its rows are sorted by
-  slot and hold few distinct slots; it loads B once per distinct slot (``while`` over the
-  slots present) and masks the other rows' ``a`` to zero.
+  covers ``BLOCK_M`` consecutive rows of the layout's permutation (a window), so its rows are
+  sorted by slot and hold few distinct slots; it loads B once per distinct slot (``while``
+  over the slots present) and masks the other rows' ``a`` to zero. An eager unshrunk term
+  (``UnshrunkLoRA.block_args``, ``config.unshrunk_by_blocks``) has the program compute its
+  window's ``a`` too (``block_shrink``: a ``tl.dot`` loop over K per distinct slot), then
+  serve a group of column tiles with it.
 
 Every row is covered, those of the neutral slot and padding rows included (the consumer's own
 work), unlike the LoRA kernels' grids, which skip them.

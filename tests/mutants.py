@@ -214,6 +214,18 @@ MUTANTS = [
            (("        key = (plan.rows_spec, plan.logits_spec, plan.gathered_spec)",
              "        key = (plan.rows_spec.block_m,)"),),
            ("tests/test_layout_refresh.py",)),
+    Mutant("window_shrink_mixes_slots",
+           "a window's shrink gives a row the product with another slot's A as well",
+           "kernels/lora_epilogue.py",
+           (("m_mask & (slots == cur), cur,", "m_mask & (slots >= cur), cur,"),),
+           ("tests/test_fused_expand.py::test_fused_silu_mul_matches_expand_then_activation"
+            "[torch.float32-unshrunk_blocks]",)),
+    Mutant("window_route_ignores_adapters_per_window",
+           "SwiGLU takes an unshrunk term by windows however many adapters a window holds",
+           "kernels/config.py",
+           (("            and segment_blocks <= cdiv(rows, 16))", "            )"),),
+           ("tests/test_linear_schedule.py::"
+            "test_swiglu_takes_the_unshrunk_term_by_windows_of_about_one_adapter",)),
     Mutant("consumer_route_memoised_under_graph_hooks",
            "the eager route decision is memoised under the graph hooks too (a capture's "
            "eager warm-up would pick the route the capture records)",
