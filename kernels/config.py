@@ -228,6 +228,7 @@ kernels bound the step, 6.9 ms of kernels against 3.3), the 8/16/64 pool at bs 2
 
 UNSHRUNK_BLOCKS_MIN_ROWS = {
     "silu_mul": int(os.environ.get("MULTILORA_SILU_UNSHRUNK_BLOCKS_MIN_ROWS", "128")),
+    "norm": int(os.environ.get("MULTILORA_NORM_UNSHRUNK_BLOCKS_MIN_ROWS", "128")),
 }
 """From this many rows, where the layout's segment blocks are at most its windows of
 ``FUSE_BLOCK_M`` permuted rows (about one adapter a window), a consumer computes an unshrunk
@@ -293,11 +294,27 @@ def row_block_n(block_r: int) -> int:
     return max(32, 4096 // block_r)
 
 
+PENDING_WINDOWS_MIN_ROWS = {
+    "norm": int(os.environ.get("MULTILORA_NORM_PENDING_WINDOWS_MIN_ROWS", "128")),
+}
+"""Eager forwards of this many rows or more (up to ``EAGER_EPILOGUE_MAX_ROWS``, any rank) leave
+o_proj's and down's expand to the residual add + RMSNorm by windows of ``FUSE_BLOCK_M``
+permuted rows (``kernels.rms_norm_windows``) instead of by rows: B is read once a window and
+column tile, not once a row. Read at import; a huge value: never."""
+
+
+def pending_by_windows(x: torch.Tensor, consumer: str) -> bool:
+    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows (eager only)."""
+    rows = x.shape[0]
+    return (PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize) <= rows
+            <= EAGER_EPILOGUE_MAX_ROWS and eager(x))
+
+
 def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
     """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
     "silu_mul" for gate_up, "norm" for o_proj and down). Callers check the eager one-launch
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
-    return pending_by_rows(x, consumer, max_rank) or (
+    return pending_by_rows(x, consumer, max_rank) or pending_by_windows(x, consumer) or (
         consumer == "silu_mul" and fused_expand(x.shape[0]))
 
 

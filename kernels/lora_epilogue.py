@@ -52,7 +52,7 @@ FUSE_BLOCK_M = 16
 @dataclass(frozen=True)
 class PendingLoRA:
     """A projection's LoRA term, shrunk but not yet added: ``a`` (``lora_shrink``'s output)
-    for the rows of ``layout``. A consumer kernel adds it (``fused_args``), or ``apply`` runs
+    for the rows of ``layout``. A consumer kernel adds it (``block_args``), or ``apply`` runs
     the expand in place."""
 
     a: torch.Tensor
@@ -67,7 +67,7 @@ class PendingLoRA:
         check_expand_args(self.weights, y, self.layout, what)
         check_shrunk(self.a, self.weights, y.shape[0])
 
-    def fused_args(self) -> tuple:
+    def block_args(self) -> tuple:
         """What a by-blocks consumer's op takes after its own arguments (``block_args``)."""
         return block_args(self.a, self.weights, self.layout, shrink=False)
 

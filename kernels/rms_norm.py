@@ -22,6 +22,7 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.rms_norm_windows import add_rms_norm_lora_windows_op
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
 
@@ -114,7 +115,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check(lora.weights.num_slices == 1,
           lambda: f"rms_norm: a by-rows LoRA term must have one slice (o_proj, down_proj), "
           f"got {lora.weights.num_slices}")
+    if _by_windows(x, lora):
+        return add_rms_norm_lora_windows_op(x, residual, weight, eps, *lora.block_args())
     return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
+
+
+def _by_windows(x: torch.Tensor, lora: PendingLoRA | UnshrunkLoRA) -> bool:
+    if isinstance(lora, UnshrunkLoRA):
+        return config.unshrunk_by_blocks(x.shape[0], "norm", lora.layout.block_slots.shape[0])
+    return config.pending_by_windows(x, "norm")
 
 
 def _launch(x, residual, delta, weight, eps, out, summed) -> None:

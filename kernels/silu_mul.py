@@ -148,7 +148,7 @@ def silu_mul(gate_up: torch.Tensor,
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
     if config.row_epilogue(rows, "silu_mul"):
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
-    return _silu_mul_lora_op(gate_up, *lora.fused_args())
+    return _silu_mul_lora_op(gate_up, *lora.block_args())
 
 
 def _out(gate_up: torch.Tensor) -> torch.Tensor:

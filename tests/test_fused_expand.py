@@ -210,14 +210,20 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
     assert rel_err(v_got[loc], v64.reshape(t, kv_heads, head_dim)) <= 4 * TOL[dtype]
 
 
-@pytest.mark.parametrize("epilogue", ["rows", "unshrunk"])
+@pytest.mark.parametrize("epilogue", ["rows", "unshrunk", "windows", "unshrunk_windows"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16), with_residual=st.booleans())
-def test_norm_with_a_by_rows_term_matches_expand_then_norm(epilogue, dtype, data, seed,
-                                                           with_residual):
-    """o_proj's or down's term, pending or unshrunk, added row by row before the residual
-    add and the norm; without a residual, added to a copy first."""
+def test_norm_with_a_term_matches_expand_then_norm(monkeypatch, epilogue, dtype, data, seed,
+                                                   with_residual):
+    """o_proj's or down's term, pending or unshrunk, added by rows or by windows (the last
+    program of a window normalises it) before the residual add and the norm; without a
+    residual, added to a copy first."""
+    windows = epilogue.endswith("windows")
+    monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 0 if windows else 10**9})
+    monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: windows)
+    epilogue = epilogue.removesuffix("_windows").replace("windows", "rows")
+    by_windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
     g = torch.Generator().manual_seed(seed)
     hidden = data.draw(st.sampled_from([16, 40, 136] + ([4096] if ON_GPU else [])))
     x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [hidden], dtype,
@@ -238,6 +244,7 @@ def test_norm_with_a_by_rows_term_matches_expand_then_norm(epilogue, dtype, data
         assert rel_err(got[1], s64) <= 4 * TOL[dtype]
     ref = nw.double().cpu() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
     assert rel_err(got[0] if with_residual else got, ref) <= 4 * TOL[dtype]
+    assert len(by_windows) == (windows and with_residual)
 
 
 def test_norm_refuses_a_term_of_several_slices():
@@ -307,10 +314,11 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     monkeypatch.setattr(config, "ONE_LAUNCH_MAX_ROWS", 0)
     _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "CONSUMER_SHRINK_MAX_ROWS", 10**9 * (epilogue == "unshrunk"))
-    norm_calls = blocks_calls = [1]
+    norm_calls = blocks_calls = windows = [1]
     if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
-        # SwiGLU's by rows at decode (3 rows), by blocks at prefill (12 rows)
+        # SwiGLU's and the norm's by rows at decode (3 rows), by blocks at prefill (12 rows)
         monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: rows > 8)
+        windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
         shrinks = lambda a: a[-2] is True  # noqa: E731  (the ops' SHRINK argument)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op", when=shrinks)
         blocks_calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op", when=shrinks)
@@ -331,6 +339,9 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     else:  # graphs by blocks (qkv's, o_proj's and down's expand separate); eager forwards
         # leave those three to RoPE and the norm by rows (``config.EAGER_EPILOGUE_MAX_ROWS``)
         monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9)
+        # the norm's pending term by windows at prefill (12 rows), by rows at decode
+        monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 9})
+        blocks_calls = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
@@ -351,7 +362,8 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         release(reqs, h.runner.kv)
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
-    assert blocks_calls, "SwiGLU never computed an unshrunk term by blocks"
+    assert blocks_calls, "SwiGLU or the norm never took a term by blocks"
+    assert epilogue != "unshrunk" or windows, "the norm never computed a term by windows"
     assert rope_calls, "RoPE with the qkv term never ran"
     assert norm_calls, "no norm added a LoRA term"
     assert epilogue != "unshrunk" or not one_launch, "an eager LoRA term was launched"
