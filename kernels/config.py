@@ -271,20 +271,35 @@ def block_shrink_k_block(block_r: int, k: int) -> int:
     return max(16, min(max(64, 8192 // block_r), next_pow2(k)))
 
 
+def unshrunk_by_rows(rows: int, max_rank: int) -> bool:
+    """Whether an unshrunk term of ``rows`` rows is within the by-rows budget."""
+    return (rows <= CONSUMER_SHRINK_MAX_ROWS
+            and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS)
+
+
+def unshrunk_by_windows(rows: int, max_rank: int, consumer: str, segment_blocks: int) -> bool:
+    """Whether ``consumer`` computes an unshrunk term by windows (``unshrunk_by_blocks``):
+    SwiGLU wherever the layout allows it; the norm only past the by-rows budget (down's
+    shrink runs over 14,336 columns, and a window's repeats it once a column group: H200, 4
+    layers, 16 adapters r=16, bs 256, the norm's kernel time a forward by rows / by windows
+    233 / 335 us; at r=64, past the by-rows budget, it saves the projections' launches)."""
+    return unshrunk_by_blocks(rows, consumer, segment_blocks) and (
+        consumer != "norm" or not unshrunk_by_rows(rows, max_rank))
+
+
 def shrink_in_consumer(x: torch.Tensor, max_rank: int, consumer: str,
                        segment_blocks: int) -> bool:
     """Eager (no capture, no tracer: a graph must read its static layout), within the rank
     limit, and within the rows limit of ``consumer``'s program shape: by windows
-    (``unshrunk_by_blocks``, ``CONSUMER_SHRINK_BLOCKS_MAX_ROWS``) or by rows
-    (``CONSUMER_SHRINK_MAX_ROWS`` and the rows x rank budget)."""
+    (``unshrunk_by_windows``, ``CONSUMER_SHRINK_BLOCKS_MAX_ROWS``) or by rows
+    (``unshrunk_by_rows``)."""
     rows = x.shape[0]
     if max_rank > CONSUMER_SHRINK_MAX_RANK:
         return False
-    if unshrunk_by_blocks(rows, consumer, segment_blocks):
+    if unshrunk_by_windows(rows, max_rank, consumer, segment_blocks):
         within = rows <= CONSUMER_SHRINK_BLOCKS_MAX_ROWS
     else:
-        within = (rows <= CONSUMER_SHRINK_MAX_ROWS
-                  and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS)
+        within = unshrunk_by_rows(rows, max_rank)
     return within and eager(x)
 
 

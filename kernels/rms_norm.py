@@ -122,7 +122,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _by_windows(x: torch.Tensor, lora: PendingLoRA | UnshrunkLoRA) -> bool:
     if isinstance(lora, UnshrunkLoRA):
-        return config.unshrunk_by_blocks(x.shape[0], "norm", lora.layout.block_slots.shape[0])
+        return config.unshrunk_by_windows(x.shape[0], lora.weights.max_rank, "norm",
+                                          lora.layout.block_slots.shape[0])
     return config.pending_by_windows(x, "norm")
 
 

@@ -7,9 +7,15 @@ rows sorted by slot, so few distinct slots) and a group of column tiles: it adds
 (``lora_delta``: one ``tl.dot`` per distinct slot, B read once a window), then the residual,
 stores the summed rows and the group's partial sums of squares. The norm needs whole rows:
 the last program of a window to finish (an atomic counter per window) reads the partial sums
-back, and normalises the window's summed rows. One launch, plus the counters' memset.
+back, and normalises the window's summed rows. One launch: the counters and partial sums live
+in a scratch buffer per device that the kernel leaves as it found it (the last program of a
+window sets its counter back to zero), so no memset precedes it (an eager step is bound by
+its launches' host time).
 
-Hazard: the last program reads what the window's other programs stored. Each program's
+Hazards: the scratch is shared by every launch on a device, so launches must not overlap:
+the runtime's eager forwards run on one stream (a graph capture never takes this route:
+``config.pending_by_windows`` and ``config.shrink_in_consumer`` are eager only). The last
+program reads what the window's other programs stored. Each program's
 stores are ordered before its counter increment by a barrier and the increment's release;
 the last one's acquire orders its reads after them, and it reads through L2 (``.cg``), never
 a stale L1 line. Partial sums are stored per group and summed in group order, not added
@@ -44,7 +50,7 @@ def _add_rms_norm_lora_windows_kernel(
     TILES: tl.constexpr, GROUPS: tl.constexpr, TAIL_N: tl.constexpr,
 ):
     """Grid (windows, column groups of ``TILES`` tiles). ``part``: fp32 ``[GROUPS, n_rows]``;
-    ``count``: int32 ``[windows]``, zero at launch."""
+    ``count``: int32 ``[windows]``, zero at launch and left zero."""
     win = tl.program_id(0)
     group = tl.program_id(1)
     rows, m_mask, slots = lora_rows(perm_ptr, slots_ptr, win * BLOCK_M, n_rows, sentinel,
@@ -77,6 +83,7 @@ def _add_rms_norm_lora_windows_kernel(
         for g in range(GROUPS):
             total += tl.load(part_ptr + g * n_rows + rows, mask=m_mask, other=0.0,
                              cache_modifier=".cg")
+        tl.store(count_ptr + win, 0)  # left as found: the next launch's counters
         inv = tl.rsqrt(total / cols + eps)
         for c0 in range(0, cols, TAIL_N):
             offs = c0 + tl.arange(0, TAIL_N)
@@ -88,6 +95,21 @@ def _add_rms_norm_lora_windows_kernel(
             w = tl.load(w_ptr + offs, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :],
                      (w[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
+    """``(count, part)``: int32 ``[windows]`` counters, zero, and float32 ``[parts]`` partial
+    sums, from the device's scratch (each grown when too small; counters zeroed then)."""
+    count, part = _scratch.get(device, (None, None))
+    if count is None or count.numel() < windows:
+        count = torch.zeros(max(2 * windows, 1024), dtype=torch.int32, device=device)
+    if part is None or part.numel() < parts:
+        part = torch.empty(max(2 * parts, 65536), dtype=torch.float32, device=device)
+    _scratch[device] = count, part
+    return count[:windows], part[:parts]
 
 
 def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -113,8 +135,7 @@ def add_rms_norm_lora_windows_op(
         groups = config.block_shrink_groups(windows, tiles) if SHRINK else tiles
         per_program = config.cdiv(tiles, groups)
         groups = config.cdiv(tiles, per_program)
-        part = torch.empty(groups, rows, dtype=torch.float32, device=x.device)
-        count = torch.zeros(windows, dtype=torch.int32, device=x.device)
+        count, part = _scratch_for(x.device, windows, groups * rows)
         _add_rms_norm_lora_windows_kernel[(windows, groups)](
             x, residual, weight, out, summed, part, count, cols, eps, rows,
             x.stride(0), residual.stride(0), out.stride(0), summed.stride(0),

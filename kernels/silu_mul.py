@@ -143,7 +143,8 @@ def silu_mul(gate_up: torch.Tensor,
           f"{gate_up.shape[1] // 2} columns each")
     rows = gate_up.shape[0]
     if isinstance(lora, UnshrunkLoRA):
-        if config.unshrunk_by_blocks(rows, "silu_mul", lora.layout.block_slots.shape[0]):
+        if config.unshrunk_by_windows(rows, w.max_rank, "silu_mul",
+                                      lora.layout.block_slots.shape[0]):
             return _silu_mul_lora_op(gate_up, *lora.block_args())
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
     if config.row_epilogue(rows, "silu_mul"):

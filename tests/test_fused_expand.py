@@ -222,6 +222,7 @@ def test_norm_with_a_term_matches_expand_then_norm(monkeypatch, epilogue, dtype,
     windows = epilogue.endswith("windows")
     monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 0 if windows else 10**9})
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: windows)
+    monkeypatch.setattr(config, "unshrunk_by_rows", lambda rows, rank: not windows)
     epilogue = epilogue.removesuffix("_windows").replace("windows", "rows")
     by_windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
     g = torch.Generator().manual_seed(seed)
@@ -318,6 +319,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
         # SwiGLU's and the norm's by rows at decode (3 rows), by blocks at prefill (12 rows)
         monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: rows > 8)
+        monkeypatch.setattr(config, "unshrunk_by_rows", lambda rows, rank: rows <= 8)
         windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
         shrinks = lambda a: a[-2] is True  # noqa: E731  (the ops' SHRINK argument)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op", when=shrinks)

@@ -148,7 +148,8 @@ def test_the_eager_one_launch_route_bounds_its_recomputation(rows, blocks, max_r
     (1, 128, False),  # each program's serial shrink grows with the rank: not measured above 64
 ])
 def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, want):
-    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "norm", 1) is want
+    """RoPE takes an unshrunk term by rows only."""
+    assert config.shrink_in_consumer(torch.empty(rows, 8), max_rank, "rope", 1) is want
 
 
 @pytest.mark.parametrize(("rows", "blocks", "max_rank", "want"), [
@@ -160,14 +161,20 @@ def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, w
     (1040, 8, 16, False),  # past the by-windows row limit
     (256, 1, 128, False),  # the rank limit holds by windows too
 ])
-def test_swiglu_takes_the_unshrunk_term_by_windows_of_about_one_adapter(monkeypatch, rows,
-                                                                        blocks, max_rank, want):
-    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 128})
+def test_swiglu_and_the_norm_take_the_unshrunk_term_by_windows_of_about_one_adapter(
+        monkeypatch, rows, blocks, max_rank, want):
+    """SwiGLU by windows wherever the layout allows it; the norm only past its by-rows
+    budget (down's long shrink is repeated once a column group)."""
+    monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 128, "norm": 128})
     monkeypatch.setattr(config, "CONSUMER_SHRINK_BLOCKS_MAX_ROWS", 1024)
     x = torch.empty(rows, 8)
     assert config.shrink_in_consumer(x, max_rank, "silu_mul", blocks) is want
+    assert config.shrink_in_consumer(x, max_rank, "norm", blocks) is want
     by_rows = rows <= 256 and rows * config.rank_block(max_rank) <= 4096 and max_rank <= 64
-    assert config.shrink_in_consumer(x, max_rank, "norm", blocks) is by_rows
+    windows = rows >= 128 and blocks <= -(-rows // 16)  # the program shape, any size
+    assert config.unshrunk_by_windows(rows, max_rank, "silu_mul", blocks) is windows
+    assert config.unshrunk_by_windows(rows, max_rank, "norm", blocks) is (windows
+                                                                          and not by_rows)
 
 
 @settings(max_examples=6, deadline=None)
