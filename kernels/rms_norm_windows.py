@@ -101,15 +101,15 @@ _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
-    """``(count, part)``: int32 ``[windows]`` counters, zero, and float32 ``[parts]`` partial
-    sums, from the device's scratch (each grown when too small; counters zeroed then)."""
+    """``(count, part)``: at least ``windows`` int32 counters, zero, and ``parts`` float32
+    partial sums: the device's scratch, grown when too small (counters zeroed then)."""
     count, part = _scratch.get(device, (None, None))
     if count is None or count.numel() < windows:
         count = torch.zeros(max(2 * windows, 1024), dtype=torch.int32, device=device)
     if part is None or part.numel() < parts:
         part = torch.empty(max(2 * parts, 65536), dtype=torch.float32, device=device)
     _scratch[device] = count, part
-    return count[:windows], part[:parts]
+    return count, part
 
 
 def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -50,15 +50,26 @@ def block_args(src: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout,
     ``src``, B, the layout's permutation and ``token_slots``, ranks, scalings, max_rank, the
     sentinel slot, ``src``'s and B's strides, then A, K and A's strides, NUM_SLICES, BLOCK_R,
     PRECISION, SHRINK, BLOCK_K): ``src`` is ``a`` (``shrink`` False; A unused) or the
-    projection's input, whose rows the program shrinks a block at a time."""
-    w, b = weights, weights.lora_b
-    block_r = config.rank_block(w.max_rank)
-    la, k = (w.lora_a, src.shape[1]) if shrink else (src, 0)
-    a_strides = la.stride() if shrink else (0, 0, 0)
-    return (src, b, layout.permutation, layout.token_slots, w.ranks, w.scalings, w.max_rank,
-            w.neutral_slot + 1, *src.stride(), *b.stride(), la, k, *a_strides, w.num_slices,
-            block_r, config.dot_precision(b.dtype), shrink,
-            config.block_shrink_k_block(block_r, k) if shrink else 16)
+    projection's input, whose rows the program shrinks a block at a time. All but ``src`` and
+    its strides are kept with the weights for the last layout and signature (an eager step
+    reuses both)."""
+    sig = (shrink, src.shape[1], src.dtype)
+    c = weights.block_constants
+    if c is None or c[0] is not layout or c[1] != sig or c[2] is not _constants(weights):
+        w, b = weights, weights.lora_b
+        block_r = config.rank_block(w.max_rank)
+        la, k = (w.lora_a, src.shape[1]) if shrink else (src, 0)
+        a_strides = la.stride() if shrink else (0, 0, 0)
+        head = (b, layout.permutation, layout.token_slots, w.ranks, w.scalings, w.max_rank,
+                w.neutral_slot + 1)
+        tail = (*b.stride(), w.lora_a if shrink else None, k, *a_strides, w.num_slices,
+                block_r, config.dot_precision(b.dtype), shrink,
+                config.block_shrink_k_block(block_r, k) if shrink else 16)
+        c = weights.block_constants = (layout, sig, _constants(weights), head, tail)
+    *_, head, tail = c
+    if not shrink:  # A is unused: the kernel takes ``a`` in its place
+        tail = (*tail[:3], src, *tail[4:])
+    return (src, *head, *src.stride(), *tail)
 
 
 def _constants(w: LoRAWeights) -> tuple:

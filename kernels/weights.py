@@ -45,6 +45,9 @@ class LoRAWeights:
     """``(row_constants, signature, launch arguments)`` of the input/output signature
     ``kernels.row_lora.UnshrunkLoRA.check`` passed in full (a term a consumer computes from
     the input)."""
+    block_constants: tuple | None = field(default=None, compare=False, repr=False)
+    """What a by-blocks consumer takes of these weights and a layout (``kernels.row_lora.
+    block_args``), kept for the last layout and input signature."""
     row_constants: tuple | None = field(default=None, compare=False, repr=False)
     """What a by-rows consumer kernel takes of these weights (``kernels.row_lora``), built
     once: a launch's strides and tables cost host time at every eager step."""

@@ -260,6 +260,23 @@ def test_norm_refuses_a_term_of_several_slices():
                  UnshrunkLoRA(torch.randn(3, 8, device=DEVICE), w, layout))
 
 
+def test_block_args_follow_the_layout_the_input_and_the_route():
+    """``block_args`` keeps what depends on the weights and the layout: a new layout, input
+    or route must not reuse the last one's."""
+    from kernels.row_lora import block_args
+
+    w = LoRAWeights.for_linear(2, 8, [8], 4, torch.float32, DEVICE)
+    l1, l2 = (SegmentLayout.from_plan(plan_segments(s, block_m=16), DEVICE)
+              for s in ([0, 1], [1, 1, 0]))
+    a1, a2, x = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(3, 8)
+    for layout, a in ((l1, a1), (l2, a2), (l1, a1)):
+        got = block_args(a, w, layout, shrink=False)
+        assert got[0] is a and got[2] is layout.permutation and got[3] is layout.token_slots
+        assert got[13] is a, "without a shrink the A argument is the input itself"
+    got = block_args(x, w, l2, shrink=True)
+    assert got[0] is x and got[13] is w.lora_a and got[14] == 8
+
+
 def test_rope_refuses_a_term_of_another_projection():
     g = torch.Generator().manual_seed(0)
     layout = SegmentLayout.from_plan(plan_segments([0, 1], block_m=16), DEVICE)
