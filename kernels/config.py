@@ -277,14 +277,22 @@ def unshrunk_by_rows(rows: int, max_rank: int) -> bool:
             and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS)
 
 
+NORM_UNSHRUNK_WINDOWS_MAX_ROWS = int(os.environ.get(
+    "MULTILORA_NORM_UNSHRUNK_WINDOWS_MAX_ROWS", "256"))
+"""The norm computes an unshrunk term by windows for at most this many rows."""
+
+
 def unshrunk_by_windows(rows: int, max_rank: int, consumer: str, segment_blocks: int) -> bool:
     """Whether ``consumer`` computes an unshrunk term by windows (``unshrunk_by_blocks``):
-    SwiGLU wherever the layout allows it; the norm only past the by-rows budget (down's
-    shrink runs over 14,336 columns, and a window's repeats it once a column group: H200, 4
-    layers, 16 adapters r=16, bs 256, the norm's kernel time a forward by rows / by windows
-    233 / 335 us; at r=64, past the by-rows budget, it saves the projections' launches)."""
-    return unshrunk_by_blocks(rows, consumer, segment_blocks) and (
-        consumer != "norm" or not unshrunk_by_rows(rows, max_rank))
+    SwiGLU wherever the layout allows it; the norm only past the by-rows budget and up to
+    ``NORM_UNSHRUNK_WINDOWS_MAX_ROWS`` rows. Down's shrink runs over 14,336 columns and a
+    window repeats it once a column group. H200, 4 layers, 16 adapters, the norm's kernel
+    time a forward: r=16 bs 256 233 us by rows, 335 by windows; r=64 bs 256 499 by windows
+    (the pending term by windows: 187, plus the projections' shrink launches), eager LoRA
+    over base 1.52-1.60x against 1.74-1.78x with the shrinks launched (host-bound); prefill
+    4 x 256 r=16 706 us by windows against 219 pending by windows (kernel-bound there)."""
+    return unshrunk_by_blocks(rows, consumer, segment_blocks) and (consumer != "norm" or (
+        not unshrunk_by_rows(rows, max_rank) and rows <= NORM_UNSHRUNK_WINDOWS_MAX_ROWS))
 
 
 def shrink_in_consumer(x: torch.Tensor, max_rank: int, consumer: str,
@@ -312,24 +320,24 @@ def row_block_n(block_r: int) -> int:
 PENDING_WINDOWS_MIN_ROWS = {
     "norm": int(os.environ.get("MULTILORA_NORM_PENDING_WINDOWS_MIN_ROWS", "128")),
 }
-"""Eager forwards of this many rows or more (up to ``EAGER_EPILOGUE_MAX_ROWS``, any rank) leave
-o_proj's and down's expand to the residual add + RMSNorm by windows of ``FUSE_BLOCK_M``
-permuted rows (``kernels.rms_norm_windows``) instead of by rows: B is read once a window and
-column tile, not once a row. Read at import; a huge value: never."""
+"""Eager forwards of this many rows or more whose o_proj or down leaves its expand to the
+residual add + RMSNorm (``pending_by_rows``'s eager budget) have the norm add it by windows
+of ``FUSE_BLOCK_M`` permuted rows (``kernels.rms_norm_windows``) instead of by rows: B is read
+once a window and column tile, not once a row. H200, 4 layers, 16 adapters r=64, bs 256: the
+norm's kernel time a forward 697 us by rows, 182-187 by windows. Read at import; a huge
+value: never."""
 
 
 def pending_by_windows(x: torch.Tensor, consumer: str) -> bool:
     """Whether ``consumer`` adds a pending term to ``x``'s rows by windows (eager only)."""
-    rows = x.shape[0]
-    return (PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize) <= rows
-            <= EAGER_EPILOGUE_MAX_ROWS and eager(x))
+    return PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize) <= x.shape[0] and eager(x)
 
 
 def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
     """Whether a projection of ``x``'s rows leaves its expand to ``consumer`` ("rope" for qkv,
     "silu_mul" for gate_up, "norm" for o_proj and down). Callers check the eager one-launch
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
-    return pending_by_rows(x, consumer, max_rank) or pending_by_windows(x, consumer) or (
+    return pending_by_rows(x, consumer, max_rank) or (
         consumer == "silu_mul" and fused_expand(x.shape[0]))
 
 

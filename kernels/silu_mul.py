@@ -47,17 +47,20 @@ def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, inter, stride_x, stride_d, stride_o,
 
 @triton.jit
 def _silu_mul_lora_kernel(
-    x_ptr, out_ptr, inter, n_rows, stride_x, stride_o,
-    src_ptr, b_ptr, perm_ptr, slots_ptr, ranks_ptr, scal_ptr, max_rank, sentinel,
-    stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
-    la_ptr, K, stride_as, stride_ar, stride_ak,
-    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, out_ptr, n_rows, src_ptr, b_ptr, perm_ptr, slots_ptr, ranks_ptr, scal_ptr, la_ptr,
+    inter: tl.constexpr, stride_x: tl.constexpr, stride_o: tl.constexpr,
+    max_rank: tl.constexpr, sentinel: tl.constexpr, stride_sm: tl.constexpr,
+    stride_sr: tl.constexpr, stride_bs: tl.constexpr, stride_bn: tl.constexpr,
+    stride_br: tl.constexpr, K: tl.constexpr, stride_as: tl.constexpr,
+    stride_ar: tl.constexpr, stride_ak: tl.constexpr, NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SHRINK: tl.constexpr,
     BLOCK_K: tl.constexpr, TILES: tl.constexpr,
 ):
     """Grid (blocks of ``BLOCK_M`` permuted rows, column groups): a program's ``a`` (both
     slices; loaded, or with ``SHRINK`` computed from the projection's input ``src``) serves
-    ``TILES`` tiles of ``BLOCK_N`` columns."""
+    ``TILES`` tiles of ``BLOCK_N`` columns. Shapes and strides fixed for a model are
+    compile-time (the launcher's per-argument host cost)."""
     rows, m_mask, slots = lora_rows(perm_ptr, slots_ptr, tl.program_id(0) * BLOCK_M, n_rows,
                                     sentinel, BLOCK_M)
     if SHRINK:
@@ -191,9 +194,9 @@ def _silu_mul_lora_op(
         per_program = config.cdiv(tiles, config.block_shrink_groups(blocks, tiles)) if (
             SHRINK) else 1
         _silu_mul_lora_kernel[(blocks, config.cdiv(tiles, per_program))](
-            gate_up, out, inter, rows, gate_up.stride(0), out.stride(0),
-            src, b, perm, slots, ranks, scalings, max_rank, sentinel, s_sm, s_sr, s_bs, s_bn,
-            s_br, la, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M,
+            gate_up, out, rows, src, b, perm, slots, ranks, scalings, la, inter,
+            gate_up.stride(0), out.stride(0), max_rank, sentinel, s_sm, s_sr, s_bs, s_bn,
+            s_br, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M,
             BLOCK_N=block_n, BLOCK_R=BLOCK_R, PRECISION=PRECISION, SHRINK=SHRINK,
             BLOCK_K=BLOCK_K, TILES=per_program,
             num_warps=config.num_warps(FUSE_BLOCK_M, BLOCK_K) if SHRINK else 4)

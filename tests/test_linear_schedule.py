@@ -164,17 +164,19 @@ def test_the_eager_consumer_shrink_is_bounded_by_rows_and_rank(rows, max_rank, w
 def test_swiglu_and_the_norm_take_the_unshrunk_term_by_windows_of_about_one_adapter(
         monkeypatch, rows, blocks, max_rank, want):
     """SwiGLU by windows wherever the layout allows it; the norm only past its by-rows
-    budget (down's long shrink is repeated once a column group)."""
+    budget and up to 256 rows (down's long shrink is repeated once a column group)."""
     monkeypatch.setattr(config, "UNSHRUNK_BLOCKS_MIN_ROWS", {"silu_mul": 128, "norm": 128})
     monkeypatch.setattr(config, "CONSUMER_SHRINK_BLOCKS_MAX_ROWS", 1024)
+    monkeypatch.setattr(config, "NORM_UNSHRUNK_WINDOWS_MAX_ROWS", 256)
     x = torch.empty(rows, 8)
     assert config.shrink_in_consumer(x, max_rank, "silu_mul", blocks) is want
-    assert config.shrink_in_consumer(x, max_rank, "norm", blocks) is want
     by_rows = rows <= 256 and rows * config.rank_block(max_rank) <= 4096 and max_rank <= 64
     windows = rows >= 128 and blocks <= -(-rows // 16)  # the program shape, any size
     assert config.unshrunk_by_windows(rows, max_rank, "silu_mul", blocks) is windows
-    assert config.unshrunk_by_windows(rows, max_rank, "norm", blocks) is (windows
-                                                                          and not by_rows)
+    norm_windows = windows and not by_rows and rows <= 256
+    assert config.unshrunk_by_windows(rows, max_rank, "norm", blocks) is norm_windows
+    assert config.shrink_in_consumer(x, max_rank, "norm", blocks) is (
+        by_rows or (norm_windows and max_rank <= 64))
 
 
 @settings(max_examples=6, deadline=None)
