@@ -225,7 +225,19 @@ MUTANTS = [
            "kernels/config.py",
            (("            and segment_blocks <= cdiv(rows, 16))", "            )"),),
            ("tests/test_linear_schedule.py::"
-            "test_swiglu_takes_the_unshrunk_term_by_windows_of_about_one_adapter",)),
+            "test_swiglu_and_the_norm_take_the_unshrunk_term_by_windows_of_about_one_adapter",)),
+    Mutant("norm_window_normalised_by_its_first_program",
+           "the first program of a window to finish normalises it, before the others stored",
+           "kernels/rms_norm_windows.py",
+           (("    if done == GROUPS - 1:", "    if done == 0:"),),
+           ("tests/test_fused_expand.py::test_norm_with_a_term_matches_expand_then_norm"
+            "[torch.float32-windows]",)),
+    Mutant("norm_window_counter_left_set",
+           "the last program of a window leaves its counter set: the next launch misreads it",
+           "kernels/rms_norm_windows.py",
+           (("        tl.store(count_ptr + win, 0)", "        pass"),),
+           ("tests/test_fused_expand.py::test_norm_with_a_term_matches_expand_then_norm"
+            "[torch.float32-windows]",)),
     Mutant("consumer_route_memoised_under_graph_hooks",
            "the eager route decision is memoised under the graph hooks too (a capture's "
            "eager warm-up would pick the route the capture records)",
