@@ -234,7 +234,8 @@ UNSHRUNK_BLOCKS_MIN_ROWS = {
 ``FUSE_BLOCK_M`` permuted rows (about one adapter a window), a consumer computes an unshrunk
 term by windows (``kernels.lora_epilogue.block_shrink``: a ``tl.dot`` loop over K per
 distinct slot of the window, A read once a window and column group) instead of by rows (A
-read once a row and column group). Read at import; only SwiGLU has the by-blocks shape. A
+read once a row and column group). Read at import; SwiGLU and the norm have the by-blocks
+shape (the norm under more conditions: ``unshrunk_by_windows``). A
 window of many slots runs one serial K loop per slot: H200, 4 layers, 16 adapters, SwiGLU's
 kernel time a forward, by rows / by windows (132 programs): r=16 bs 32 111 / 660 us, bs 64
 193 / 402, bs 256 541 / 264; r=64 bs 64 695 / 693; full depth 8 adapters bs 256 4320 / 2058

@@ -18,9 +18,10 @@ Two program shapes:
   covers ``BLOCK_M`` consecutive rows of the layout's permutation (a window), so its rows are
   sorted by slot and hold few distinct slots; it loads B once per distinct slot (``while``
   over the slots present) and masks the other rows' ``a`` to zero. An eager unshrunk term
-  (``UnshrunkLoRA.block_args``, ``config.unshrunk_by_blocks``) has the program compute its
+  (``UnshrunkLoRA.block_args``, ``config.unshrunk_by_windows``) has the program compute its
   window's ``a`` too (``block_shrink``: a ``tl.dot`` loop over K per distinct slot), then
-  serve a group of column tiles with it.
+  serve a group of column tiles with it. SwiGLU has both; the residual add + RMSNorm has the
+  by-windows shape in ``kernels.rms_norm_windows`` (eager only).
 
 Every row is covered, those of the neutral slot and padding rows included (the consumer's own
 work), unlike the LoRA kernels' grids, which skip them.
