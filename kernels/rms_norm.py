@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
-from kernels.rms_norm_windows import add_rms_norm_lora_windows_op
+from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
 
@@ -139,35 +139,31 @@ def _launch(x, residual, delta, weight, eps, out, summed) -> None:
         BLOCK=block, num_warps=min(16, max(1, block // 512)))
 
 
-def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-
-
 @traced_op("multilora::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor:
-    out = _out(x, weight)
+    out = norm_out(x, weight)
     _launch(x, None, delta, weight, eps, out, None)
     return out
 
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, delta=None):
-    return _out(x, weight)
+    return norm_out(x, weight)
 
 
 @traced_op("multilora::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float, delta: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, summed = _out(x, weight), torch.empty_like(x)
+    out, summed = norm_out(x, weight), torch.empty_like(x)
     _launch(x, residual, delta, weight, eps, out, summed)
     return out, summed
 
 
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, delta=None):
-    return _out(x, weight), torch.empty_like(x)
+    return norm_out(x, weight), torch.empty_like(x)
 
 
 @traced_op("multilora::add_rms_norm_lora", mutates_args=())
@@ -178,7 +174,7 @@ def _add_rms_norm_lora_op(
     s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int,
     BLOCK_R: int, SHRINK: bool, BLOCK_K: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, summed = _out(x, weight), torch.empty_like(x)
+    out, summed = norm_out(x, weight), torch.empty_like(x)
     if x.shape[0]:
         # With SHRINK the program's whole term is serial: wider column steps, more warps.
         per_step = config.ROW_SHRINK_ELEMENTS // BLOCK_R if SHRINK else config.row_block_n(
@@ -195,4 +191,4 @@ def _add_rms_norm_lora_op(
 
 @_add_rms_norm_lora_op.register_fake
 def _(x, residual, weight, eps, *args):
-    return _out(x, weight), torch.empty_like(x)
+    return norm_out(x, weight), torch.empty_like(x)

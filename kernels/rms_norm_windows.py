@@ -116,7 +116,8 @@ def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
     return count, part
 
 
-def _out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def norm_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A norm's output: ``x``'s shape, the promoted dtype of ``x`` and the norm weight."""
     return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
 
 
@@ -131,7 +132,7 @@ def add_rms_norm_lora_windows_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + term + residual), x + term + residual)``; the term's arguments are
     ``kernels.row_lora.block_args``'s (one slice)."""
-    out, summed = _out(x, weight), torch.empty_like(x)
+    out, summed = norm_out(x, weight), torch.empty_like(x)
     rows, cols = x.shape
     if rows:
         block_n = min(BLOCK_N, max(16, config.next_pow2(cols)))
@@ -154,4 +155,4 @@ def add_rms_norm_lora_windows_op(
 
 @add_rms_norm_lora_windows_op.register_fake
 def _(x, residual, weight, eps, *args):
-    return _out(x, weight), torch.empty_like(x)
+    return norm_out(x, weight), torch.empty_like(x)
