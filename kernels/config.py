@@ -320,18 +320,22 @@ def row_block_n(block_r: int) -> int:
 
 PENDING_WINDOWS_MIN_ROWS = {
     "norm": int(os.environ.get("MULTILORA_NORM_PENDING_WINDOWS_MIN_ROWS", "128")),
+    "rope": int(os.environ.get("MULTILORA_ROPE_PENDING_WINDOWS_MIN_ROWS", "64")),
 }
-"""Eager forwards of this many rows or more whose o_proj or down leaves its expand to the
-residual add + RMSNorm (``pending_by_rows``'s eager budget) have the norm add it by windows
-of ``FUSE_BLOCK_M`` permuted rows (``kernels.rms_norm_windows``) instead of by rows: B is read
-once a window and column tile, not once a row. H200, 4 layers, 16 adapters r=64, bs 256: the
-norm's kernel time a forward 697 us by rows, 182-187 by windows. Read at import; a huge
-value: never."""
+"""Forwards of this many rows or more whose projection leaves its expand to the consumer
+add the pending term by windows of ``FUSE_BLOCK_M`` permuted rows instead of by rows: B is
+read once a window and column tile, not once a row. The norm (o_proj's and down's term,
+``kernels.rms_norm_windows``) only in eager forwards within ``pending_by_rows``'s eager budget:
+H200, 4 layers, 16 adapters r=64, bs 256: the norm's kernel time a forward 697 us by rows,
+182-187 by windows. RoPE (qkv's term, ``kernels.rope_kv_windows``) in graphs too, where it
+replaces qkv's separate expand after the GEMM. Read at import; a huge value: never."""
 
 
 def pending_by_windows(x: torch.Tensor, consumer: str) -> bool:
-    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows (eager only)."""
-    return PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize) <= x.shape[0] and eager(x)
+    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows (the norm: eager
+    only; its scratch is shared by every launch on a device)."""
+    return PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize) <= x.shape[0] and (
+        consumer == "rope" or eager(x))
 
 
 def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
@@ -339,7 +343,8 @@ def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
     "silu_mul" for gate_up, "norm" for o_proj and down). Callers check the eager one-launch
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
     return pending_by_rows(x, consumer, max_rank) or (
-        consumer == "silu_mul" and fused_expand(x.shape[0]))
+        consumer == "silu_mul" and fused_expand(x.shape[0])) or (
+        consumer == "rope" and pending_by_windows(x, consumer))
 
 
 DELTA_MAX_ROWS = {

@@ -3,16 +3,16 @@ row once, writes its rotated q, and stores its rotated k and its v in the token'
 Torch takes a dozen launches for the same (two table gathers and casts, the rotate-half
 ``cat`` and four products per tensor, then two ``index_copy_``).
 
-Neox-style rotation (Llama's ``rotate_half``) with ``cos``/``sin`` tables of ``head_dim``
-columns whose two halves are equal. Rounds like the torch reference: the tables to the model
-dtype, then ``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum.
+Neox-style rotation (Llama's ``rotate_half``, ``kernels.rotary``) with ``cos``/``sin`` tables
+of ``head_dim`` columns whose two halves are equal.
 
 With the qkv projection's pending or unshrunk LoRA term (``kernels.row_lora``, decode-sized
 forwards) a program handles one head of one token, so that the B columns it adds spread over
 the grid: a token-per-program grid would read a whole B row block (qkv: 6144 x rank) in one
 program. An unshrunk term's program computes its slice's shrink over the whole K, so with
 enough tokens to fill the device a program takes a group of heads of one slice
-(``config.rope_heads_per_program``): one shrink serves them all.
+(``config.rope_heads_per_program``): one shrink serves them all. A pending term of more rows
+goes by windows of rows instead (``kernels.rope_kv_windows``).
 """
 
 from __future__ import annotations
@@ -24,17 +24,10 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.rope_kv_windows import rope_kv_lora_windows_op
+from kernels.rotary import q_out, rotate_halves
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
-
-
-@triton.jit
-def _rotate_halves(lo, hi, cos, sin):
-    dt = lo.dtype
-    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
-    new_lo = (lo32 * cos).to(dt).to(tl.float32) + (-hi32 * sin).to(dt).to(tl.float32)
-    new_hi = (hi32 * cos).to(dt).to(tl.float32) + (lo32 * sin).to(dt).to(tl.float32)
-    return new_lo.to(dt), new_hi.to(dt)
 
 
 @triton.jit
@@ -81,14 +74,14 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v
     row, d_row = t * stride_qkv, t * stride_d
     lo, hi, oh, od, m = _load_heads(qkv_ptr, row, d_ptr, d_row, heads, half, HAS_DELTA,
                                     BLOCK_H, BLOCK_HALF)
-    lo, hi = _rotate_halves(lo, hi, cos, sin)
+    lo, hi = rotate_halves(lo, hi, cos, sin)
     out = q_ptr + t * stride_q + oh[:, None] * (2 * half) + od[None, :]
     tl.store(out, lo, mask=m)
     tl.store(out + half, hi, mask=m)
     k_col = heads * 2 * half
     lo, hi, oh, od, m = _load_heads(qkv_ptr, row + k_col, d_ptr, d_row + k_col, kv_heads, half,
                                     HAS_DELTA, BLOCK_KV, BLOCK_HALF)
-    lo, hi = _rotate_halves(lo, hi, cos, sin)
+    lo, hi = rotate_halves(lo, hi, cos, sin)
     out = k_ptr + slot * stride_k + oh[:, None] * (2 * half) + od[None, :]
     tl.store(out, lo, mask=m)
     tl.store(out + half, hi, mask=m)
@@ -150,7 +143,7 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
             if h < heads:
                 lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half, a,
                                          slot, rank, scale, *b, BLOCK_R)
-                lo, hi = _rotate_halves(lo, hi, cos, sin)
+                lo, hi = rotate_halves(lo, hi, cos, sin)
                 out = q_ptr + t * stride_q + h * 2 * half + offs_d
                 tl.store(out, lo, mask=d_mask)
                 tl.store(out + half, hi, mask=d_mask)
@@ -163,7 +156,7 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
             if j < kv_heads:
                 lo, hi = _head_with_lora(qkv_ptr, row, (heads + j) * 2 * half, offs_d, d_mask,
                                          half, a, slot, rank, scale, *b, BLOCK_R)
-                lo, hi = _rotate_halves(lo, hi, cos, sin)
+                lo, hi = rotate_halves(lo, hi, cos, sin)
                 out = k_ptr + cache_slot * stride_k + j * 2 * half + offs_d
                 tl.store(out, lo, mask=d_mask)
                 tl.store(out + half, hi, mask=d_mask)
@@ -215,17 +208,16 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     check(lora.weights.slice_widths == widths,
           lambda: f"rope_and_cache_kv: the LoRA term's slices {lora.weights.slice_widths} are "
           f"not q, k, v of {widths} columns")
-    if not (isinstance(lora, UnshrunkLoRA)
-            or config.pending_by_rows(qkv, "rope", lora.weights.max_rank)):
-        # the separate expand, into a copy: qkv is an input
-        return _rope_kv_op(lora.apply(qkv.clone()), positions, cos, sin, cache_loc, k_cache,
-                           v_cache, heads)
+    if not isinstance(lora, UnshrunkLoRA):
+        if config.pending_by_windows(qkv, "rope"):
+            return rope_kv_lora_windows_op(qkv, positions, cos, sin, cache_loc, k_cache,
+                                           v_cache, heads, *lora.block_args())
+        if not config.pending_by_rows(qkv, "rope", lora.weights.max_rank):
+            # the separate expand, into a copy: qkv is an input
+            return _rope_kv_op(lora.apply(qkv.clone()), positions, cos, sin, cache_loc,
+                               k_cache, v_cache, heads)
     return _rope_kv_lora_op(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads,
                             *lora.row_args())
-
-
-def _q(qkv: torch.Tensor, k_cache: torch.Tensor, heads: int) -> torch.Tensor:
-    return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[2]))
 
 
 @traced_op("multilora::rope_and_cache_kv", mutates_args=("k_cache", "v_cache"))
@@ -233,7 +225,7 @@ def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, heads: int,
                 delta: torch.Tensor | None = None) -> torch.Tensor:
-    q = _q(qkv, k_cache, heads)
+    q = q_out(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
         d = delta if delta is not None else qkv
@@ -248,7 +240,7 @@ def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 @_rope_kv_op.register_fake
 def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads, delta=None):
-    return _q(qkv, k_cache, heads)
+    return q_out(qkv, k_cache, heads)
 
 
 @traced_op("multilora::rope_and_cache_kv_lora", mutates_args=("k_cache", "v_cache"))
@@ -259,7 +251,7 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                      scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
                      s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int,
                      NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int) -> torch.Tensor:
-    q = _q(qkv, k_cache, heads)
+    q = q_out(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
         group = config.rope_heads_per_program(t, heads, kv_heads) if SHRINK else 1
@@ -276,4 +268,4 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 
 @_rope_kv_lora_op.register_fake
 def _(qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads, *args):
-    return _q(qkv, k_cache, heads)
+    return q_out(qkv, k_cache, heads)

@@ -240,6 +240,12 @@ MUTANTS = [
            (("        tl.store(count_ptr + win, 0)", "        pass"),),
            ("tests/test_fused_expand.py::test_norm_with_a_term_matches_expand_then_norm"
             "[torch.float32-windows]",)),
+    Mutant("rope_window_v_takes_k_slice",
+           "RoPE by windows adds k's slice of the term to v",
+           "kernels/rope_kv_windows.py",
+           (("a = block_a(a_ptr, rows, m_mask, 2,", "a = block_a(a_ptr, rows, m_mask, 1,"),),
+           ("tests/test_fused_expand.py::test_rope_with_the_qkv_term_matches_expand_then_rope"
+            "[torch.float32-windows]",)),
     Mutant("consumer_route_memoised_under_graph_hooks",
            "the eager route decision is memoised under the graph hooks too (a capture's "
            "eager warm-up would pick the route the capture records)",

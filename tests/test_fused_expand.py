@@ -55,8 +55,13 @@ UNSHRUNK = ("unshrunk", "unshrunk_blocks")
 
 def _force_epilogue(monkeypatch, epilogue: str) -> None:
     """The program shape ``epilogue`` names at every row count, eager or not (an eager
-    forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``)."""
-    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", EPILOGUES[epilogue.split("_")[0]])
+    forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``).
+    "windows": RoPE's pending term by windows (``config.PENDING_WINDOWS_MIN_ROWS``), which
+    every other shape leaves off."""
+    windows = epilogue == "windows"
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS",
+                        EPILOGUES["blocks" if windows else epilogue.split("_")[0]])
+    monkeypatch.setitem(config.PENDING_WINDOWS_MIN_ROWS, "rope", 0 if windows else 10**9)
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
     blocks = epilogue == "unshrunk_blocks"
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
@@ -158,15 +163,17 @@ def _rope_f64(x, pos, cos, sin):
     return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1)
 
 
-@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("epilogue", [*EPILOGUES, "windows"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, dtype, data,
                                                          seed):
-    """By rows, as a delta, and (``blocks``) above the threshold: the separate expand into a
-    copy. Unshrunk: a program per head, or per group of up to 8 heads (the last partial)."""
+    """By rows, by windows of permuted rows, as a delta, and (``blocks``) the separate
+    expand into a copy. Unshrunk: a program per head, or per group of up to 8 heads (the
+    last partial)."""
     _force_epilogue(monkeypatch, epilogue)
+    by_windows = _count_calls(monkeypatch, rope_module, "rope_kv_lora_windows_op")
     monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     g = torch.Generator().manual_seed(seed)
     kv_heads, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 3]))
@@ -208,6 +215,7 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
     assert rel_err(k_got[loc], _rope_f64(k64.reshape(t, kv_heads, head_dim), pos, cos, sin)) \
         <= 4 * TOL[dtype]
     assert rel_err(v_got[loc], v64.reshape(t, kv_heads, head_dim)) <= 4 * TOL[dtype]
+    assert len(by_windows) == (epilogue == "windows")
 
 
 @pytest.mark.parametrize("epilogue", ["rows", "unshrunk", "windows", "unshrunk_windows"])
@@ -362,9 +370,11 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     else:  # graphs by blocks (qkv's, o_proj's and down's expand separate); eager forwards
         # leave those three to RoPE and the norm by rows (``config.EAGER_EPILOGUE_MAX_ROWS``)
         monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9)
-        # the norm's pending term by windows at prefill (12 rows), by rows at decode
-        monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 9})
+        # the norm's and RoPE's pending term by windows at prefill (12 rows; RoPE's in the
+        # graph too), by rows at decode (RoPE's graph: the separate expand)
+        monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 9, "rope": 9})
         blocks_calls = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
+        windows = _count_calls(monkeypatch, rope_module, "rope_kv_lora_windows_op")
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
@@ -386,7 +396,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
     assert blocks_calls, "SwiGLU or the norm never took a term by blocks"
-    assert epilogue != "unshrunk" or windows, "the norm never computed a term by windows"
+    assert windows, "the norm (unshrunk) or RoPE (blocks) never took a term by windows"
     assert rope_calls, "RoPE with the qkv term never ran"
     assert norm_calls, "no norm added a LoRA term"
     assert epilogue != "unshrunk" or not one_launch, "an eager LoRA term was launched"
