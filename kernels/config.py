@@ -320,22 +320,29 @@ def row_block_n(block_r: int) -> int:
 
 PENDING_WINDOWS_MIN_ROWS = {
     "norm": int(os.environ.get("MULTILORA_NORM_PENDING_WINDOWS_MIN_ROWS", "128")),
-    "rope": int(os.environ.get("MULTILORA_ROPE_PENDING_WINDOWS_MIN_ROWS", "64")),
+    "rope": int(os.environ.get("MULTILORA_ROPE_PENDING_WINDOWS_MIN_ROWS", "128")),
 }
-"""Forwards of this many rows or more whose projection leaves its expand to the consumer
-add the pending term by windows of ``FUSE_BLOCK_M`` permuted rows instead of by rows: B is
-read once a window and column tile, not once a row. The norm (o_proj's and down's term,
-``kernels.rms_norm_windows``) only in eager forwards within ``pending_by_rows``'s eager budget:
+"""Eager forwards of this many rows or more whose projection leaves its expand to the
+consumer have it add the pending term by windows of ``FUSE_BLOCK_M`` permuted rows instead of
+by rows: B is read once a window and column tile, not once a row. The norm (o_proj's and
+down's term, ``kernels.rms_norm_windows``) only within ``pending_by_rows``'s eager budget.
 H200, 4 layers, 16 adapters r=64, bs 256: the norm's kernel time a forward 697 us by rows,
-182-187 by windows. RoPE (qkv's term, ``kernels.rope_kv_windows``) in graphs too, where it
-replaces qkv's separate expand after the GEMM. Read at import; a huge value: never."""
+182-187 by windows. Read at import; a huge value: never."""
+
+GRAPH_WINDOWS_MIN_ROWS = {
+    "rope": int(os.environ.get("MULTILORA_ROPE_GRAPH_WINDOWS_MIN_ROWS", "256")),
+}
+"""The same inside a graph capture or a trace, where the alternative is the projection's
+separate expand after its GEMM: RoPE (qkv's term, ``kernels.rope_kv_windows``). The norm
+never: its scratch is shared by every launch on a device. A window of many distinct slots
+walks them in sequence, so few rows a slot (decode of many adapters) favour the expand's
+grid."""
 
 
 def pending_by_windows(x: torch.Tensor, consumer: str) -> bool:
-    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows (the norm: eager
-    only; its scratch is shared by every launch on a device)."""
-    return PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize) <= x.shape[0] and (
-        consumer == "rope" or eager(x))
+    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows."""
+    limits = PENDING_WINDOWS_MIN_ROWS if eager(x) else GRAPH_WINDOWS_MIN_ROWS
+    return limits.get(consumer, sys.maxsize) <= x.shape[0]
 
 
 def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:

@@ -4,11 +4,11 @@ A by-rows program (``kernels.rope_kv``) adds one token's term to one head: each 
 its adapter's B columns alone, and past a few dozen rows that is the cost (256 rows at rank
 64: ~200 MB of B reads a layer). A program here covers ``FUSE_BLOCK_M`` consecutive rows of the
 layout's permutation (a window: rows sorted by slot, so few distinct slots) and one head: it
-adds the head's term to the window's rows (``lora_delta``: one ``tl.dot`` per distinct slot of
-the window, B's head columns read once a window), rotates q and k, and writes q, and k and v
-into each row's cache slot. In a graph at and past ``config.PENDING_WINDOWS_MIN_ROWS["rope"]``
-rows this replaces qkv's separate expand (a launch after the GEMM and a read-modify-write of
-its output); eager, it replaces the by-rows term.
+adds the head's term to the window's rows (one pass over the window's distinct slots, a
+``tl.dot`` per slot and half head, B's head columns read once a window), rotates q and k, and
+writes q, and k and v into each row's cache slot. It replaces qkv's separate expand (a
+launch after the GEMM and a read-modify-write of its output) or the by-rows term where
+``config.pending_by_windows`` says so.
 
 Every row of the forward is covered (padding rows of a static view and rows of the neutral
 slot: their term is zero), each by exactly one program per head: the permutation holds every
@@ -22,28 +22,67 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.lora_epilogue import FUSE_BLOCK_M, block_a, lora_delta, lora_rows
+from kernels.lora_epilogue import FUSE_BLOCK_M, block_a, lora_rows
 from kernels.rotary import q_out, rotate_halves
 from kernels.traced_op import traced_op
 
 
 @triton.jit
-def _head_with_term(qkv_ptr, rows, stride_qkv, col, half, offs_d, d_mask, mask, a, b_ptr,
-                    ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br, slots, sl,
-                    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """Halves (lo, hi) ``[BLOCK_M, BLOCK_HALF]`` of the head at qkv column ``col`` for
-    ``rows``, slice ``sl``'s term added and rounded as the expand rounds it."""
+def _slice_term(a, b_ptr, ranks_ptr, scal_ptr, cur, mine, sl, col, half, offs_d, d_mask,
+                stride_bs, stride_bn, stride_br, BLOCK_R: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Slot ``cur``'s term of slice ``sl`` for rows ``mine`` (zero elsewhere) at the lo and
+    hi halves of the head at column ``col``: ``scaling * round(a) @ B^T`` as the expand
+    computes it. A rank-0 slice (the neutral slot) loads nothing and adds zero."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rank = tl.load(ranks_ptr + cur * 3 + sl)
+    scale = tl.load(scal_ptr + cur * 3 + sl, mask=rank > 0, other=0.0)
+    r_mask = offs_r < rank
+    b = b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    b_mask = r_mask[:, None] & d_mask[None, :]
+    b_lo = tl.load(b + (col + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
+    b_hi = tl.load(b + (col + half + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
+    mine = tl.where(mine[:, None] & r_mask[None, :], a, 0.0).to(b_lo.dtype)
+    return (scale * tl.dot(mine, b_lo, input_precision=PRECISION),
+            scale * tl.dot(mine, b_hi, input_precision=PRECISION))
+
+
+@triton.jit
+def _window_terms(a0, a1, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn,
+                  stride_br, slots, sl, col0, col1, half, offs_d, d_mask,
+                  BOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """(lo, hi) of slice ``sl``'s term at the head at ``col0`` and, with ``BOTH``, of slice
+    ``sl + 1`` at ``col1``: one pass over the window's distinct slots (each a dependent step),
+    every B tile of a step loaded at once."""
+    lo0 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
+    hi0, lo1, hi1 = lo0, lo0, lo0
+    b = (b_ptr, ranks_ptr, scal_ptr)
+    strides = (stride_bs, stride_bn, stride_br)
+    cur = tl.min(slots, 0)
+    while cur < sentinel:
+        mine = slots == cur
+        t_lo, t_hi = _slice_term(a0, *b, cur, mine, sl, col0, half, offs_d, d_mask, *strides,
+                                 BLOCK_R, PRECISION)
+        lo0 += t_lo
+        hi0 += t_hi
+        if BOTH:
+            t_lo, t_hi = _slice_term(a1, *b, cur, mine, sl + 1, col1, half, offs_d, d_mask,
+                                     *strides, BLOCK_R, PRECISION)
+            lo1 += t_lo
+            hi1 += t_hi
+        cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
+    return lo0, hi0, lo1, hi1
+
+
+@triton.jit
+def _load_head(qkv_ptr, rows, stride_qkv, col, half, offs_d, mask, t_lo, t_hi):
+    """Halves (lo, hi) of the head at qkv column ``col`` for ``rows`` with the term added,
+    rounded to qkv's dtype as the expand rounds it."""
     ptr = qkv_ptr + rows[:, None] * stride_qkv + col + offs_d[None, :]
-    lora = (b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br, slots)
     lo = tl.load(ptr, mask=mask, other=0.0)
     hi = tl.load(ptr + half, mask=mask, other=0.0)
-    lo = (lo.to(tl.float32) + lora_delta(a, *lora, col + offs_d, d_mask, sl, NUM_SLICES,
-                                         BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)).to(lo.dtype)
-    hi = (hi.to(tl.float32) + lora_delta(a, *lora, col + half + offs_d, d_mask, sl,
-                                         NUM_SLICES, BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
-          ).to(lo.dtype)
-    return lo, hi
+    return (lo.to(tl.float32) + t_lo).to(lo.dtype), (hi.to(tl.float32) + t_hi).to(lo.dtype)
 
 
 @triton.jit
@@ -72,29 +111,34 @@ def _rope_kv_lora_windows_kernel(
     dt = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dt).to(tl.float32)
-    head = (qkv_ptr, rows, stride_qkv)
     lora = (b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br, slots)
+    head = (qkv_ptr, rows, stride_qkv)
     if p < heads:
+        col = p * 2 * half
         a = block_a(a_ptr, rows, m_mask, 0, max_rank, stride_am, stride_ar, BLOCK_R)
-        lo, hi = _head_with_term(*head, p * 2 * half, half, offs_d, d_mask, mask, a, *lora, 0,
-                                 3, BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
+        t_lo, t_hi, _, _ = _window_terms(a, a, *lora, 0, col, col, half, offs_d, d_mask,
+                                         False, BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
+        lo, hi = _load_head(*head, col, half, offs_d, mask, t_lo, t_hi)
         lo, hi = rotate_halves(lo, hi, cos, sin)
-        out = q_ptr + rows[:, None] * stride_q + p * 2 * half + offs_d[None, :]
+        out = q_ptr + rows[:, None] * stride_q + col + offs_d[None, :]
         tl.store(out, lo, mask=mask)
         tl.store(out + half, hi, mask=mask)
     else:
         j = p - heads
+        k_col = (heads + j) * 2 * half
+        v_col = k_col + kv_heads * 2 * half
+        a_k = block_a(a_ptr, rows, m_mask, 1, max_rank, stride_am, stride_ar, BLOCK_R)
+        a_v = block_a(a_ptr, rows, m_mask, 2, max_rank, stride_am, stride_ar, BLOCK_R)
+        k_lo, k_hi, v_lo, v_hi = _window_terms(a_k, a_v, *lora, 1, k_col, v_col, half, offs_d,
+                                               d_mask, True, BLOCK_M, BLOCK_HALF, BLOCK_R,
+                                               PRECISION)
         cache = tl.load(loc_ptr + rows, mask=m_mask, other=0).to(tl.int64)[:, None]
-        a = block_a(a_ptr, rows, m_mask, 1, max_rank, stride_am, stride_ar, BLOCK_R)
-        lo, hi = _head_with_term(*head, (heads + j) * 2 * half, half, offs_d, d_mask, mask, a,
-                                 *lora, 1, 3, BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
+        lo, hi = _load_head(*head, k_col, half, offs_d, mask, k_lo, k_hi)
         lo, hi = rotate_halves(lo, hi, cos, sin)
         out = k_ptr + cache * stride_k + j * 2 * half + offs_d[None, :]
         tl.store(out, lo, mask=mask)
         tl.store(out + half, hi, mask=mask)
-        a = block_a(a_ptr, rows, m_mask, 2, max_rank, stride_am, stride_ar, BLOCK_R)
-        lo, hi = _head_with_term(*head, (heads + kv_heads + j) * 2 * half, half, offs_d, d_mask,
-                                 mask, a, *lora, 2, 3, BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
+        lo, hi = _load_head(*head, v_col, half, offs_d, mask, v_lo, v_hi)
         out = v_ptr + cache * stride_v + j * 2 * half + offs_d[None, :]
         tl.store(out, lo, mask=mask)
         tl.store(out + half, hi, mask=mask)

@@ -61,7 +61,8 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     windows = epilogue == "windows"
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS",
                         EPILOGUES["blocks" if windows else epilogue.split("_")[0]])
-    monkeypatch.setitem(config.PENDING_WINDOWS_MIN_ROWS, "rope", 0 if windows else 10**9)
+    for limits in (config.PENDING_WINDOWS_MIN_ROWS, config.GRAPH_WINDOWS_MIN_ROWS):
+        monkeypatch.setitem(limits, "rope", 0 if windows else 10**9)
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
     blocks = epilogue == "unshrunk_blocks"
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
@@ -373,6 +374,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         # the norm's and RoPE's pending term by windows at prefill (12 rows; RoPE's in the
         # graph too), by rows at decode (RoPE's graph: the separate expand)
         monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 9, "rope": 9})
+        monkeypatch.setattr(config, "GRAPH_WINDOWS_MIN_ROWS", {"rope": 9})
         blocks_calls = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
         windows = _count_calls(monkeypatch, rope_module, "rope_kv_lora_windows_op")
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
