@@ -22,53 +22,64 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.lora_epilogue import FUSE_BLOCK_M, block_a, lora_rows
+from kernels.lora_epilogue import FUSE_BLOCK_M, lora_rows
 from kernels.rotary import q_out, rotate_halves
 from kernels.traced_op import traced_op
 
 
 @triton.jit
-def _slice_term(a, b_ptr, ranks_ptr, scal_ptr, cur, mine, sl, col, half, offs_d, d_mask,
-                stride_bs, stride_bn, stride_br, BLOCK_R: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Slot ``cur``'s term of slice ``sl`` for rows ``mine`` (zero elsewhere) at the lo and
-    hi halves of the head at column ``col``: ``scaling * round(a) @ B^T`` as the expand
-    computes it. A rank-0 slice (the neutral slot) loads nothing and adds zero."""
+def _row_slice(a_ptr, rows, m_mask, slots, ranks_ptr, scal_ptr, sl, max_rank, stride_am,
+               stride_ar, BLOCK_R: tl.constexpr):
+    """Slice ``sl`` of each row: ``a`` with zeros past the row's rank (where the shrink left
+    it undefined), the rank and the scaling (zero for the neutral slot's rank 0 and for
+    padding past the window). Loaded before the slot walk, so the walk's steps wait on B's
+    loads alone."""
+    rank = tl.load(ranks_ptr + slots * 3 + sl, mask=m_mask, other=0)
+    scale = tl.load(scal_ptr + slots * 3 + sl, mask=m_mask & (rank > 0), other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
-    rank = tl.load(ranks_ptr + cur * 3 + sl)
-    scale = tl.load(scal_ptr + cur * 3 + sl, mask=rank > 0, other=0.0)
-    r_mask = offs_r < rank
-    b = b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-    b_mask = r_mask[:, None] & d_mask[None, :]
-    b_lo = tl.load(b + (col + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
-    b_hi = tl.load(b + (col + half + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
-    mine = tl.where(mine[:, None] & r_mask[None, :], a, 0.0).to(b_lo.dtype)
-    return (scale * tl.dot(mine, b_lo, input_precision=PRECISION),
-            scale * tl.dot(mine, b_hi, input_precision=PRECISION))
+    a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :]
+                * stride_ar, mask=m_mask[:, None] & (offs_r[None, :] < rank[:, None]),
+                other=0.0)
+    return a, rank, scale
 
 
 @triton.jit
-def _window_terms(a0, a1, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn,
-                  stride_br, slots, sl, col0, col1, half, offs_d, d_mask,
-                  BOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """(lo, hi) of slice ``sl``'s term at the head at ``col0`` and, with ``BOTH``, of slice
-    ``sl + 1`` at ``col1``: one pass over the window's distinct slots (each a dependent step),
-    every B tile of a step loaded at once."""
+def _slice_dots(a, rank, b_ptr, stride_bs, stride_bn, stride_br, cur, mine, col, half,
+                offs_d, d_mask, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """Slot ``cur``'s unscaled ``round(a) @ B^T`` for rows ``mine`` (zero elsewhere) at the lo
+    and hi halves of the head at column ``col``."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r = tl.max(tl.where(mine, rank, 0), 0)
+    b = b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    b_mask = (offs_r < r)[:, None] & d_mask[None, :]
+    b_lo = tl.load(b + (col + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
+    b_hi = tl.load(b + (col + half + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
+    a = tl.where(mine[:, None], a, 0.0).to(b_lo.dtype)
+    return (tl.dot(a, b_lo, input_precision=PRECISION),
+            tl.dot(a, b_hi, input_precision=PRECISION))
+
+
+@triton.jit
+def _window_terms(a0, r0, a1, r1, b_ptr, stride_bs, stride_bn, stride_br, sentinel, slots,
+                  col0, col1, half, offs_d, d_mask, BOTH: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """Unscaled (lo, hi) of one slice's term at the head at ``col0`` and, with ``BOTH``, of
+    another's at ``col1``: one pass over the window's distinct slots, each step's B tiles
+    loaded together. A row's sum holds its own slot's dot plus exact zeros, so scaling it
+    afterwards rounds as the expand's ``scaling * dot`` does."""
     lo0 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
     hi0, lo1, hi1 = lo0, lo0, lo0
-    b = (b_ptr, ranks_ptr, scal_ptr)
-    strides = (stride_bs, stride_bn, stride_br)
+    b = (b_ptr, stride_bs, stride_bn, stride_br)
     cur = tl.min(slots, 0)
     while cur < sentinel:
         mine = slots == cur
-        t_lo, t_hi = _slice_term(a0, *b, cur, mine, sl, col0, half, offs_d, d_mask, *strides,
-                                 BLOCK_R, PRECISION)
+        t_lo, t_hi = _slice_dots(a0, r0, *b, cur, mine, col0, half, offs_d, d_mask, BLOCK_R,
+                                 PRECISION)
         lo0 += t_lo
         hi0 += t_hi
         if BOTH:
-            t_lo, t_hi = _slice_term(a1, *b, cur, mine, sl + 1, col1, half, offs_d, d_mask,
-                                     *strides, BLOCK_R, PRECISION)
+            t_lo, t_hi = _slice_dots(a1, r1, *b, cur, mine, col1, half, offs_d, d_mask,
+                                     BLOCK_R, PRECISION)
             lo1 += t_lo
             hi1 += t_hi
         cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
@@ -76,13 +87,17 @@ def _window_terms(a0, a1, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, strid
 
 
 @triton.jit
-def _load_head(qkv_ptr, rows, stride_qkv, col, half, offs_d, mask, t_lo, t_hi):
-    """Halves (lo, hi) of the head at qkv column ``col`` for ``rows`` with the term added,
-    rounded to qkv's dtype as the expand rounds it."""
+def _load_head(qkv_ptr, rows, stride_qkv, col, half, offs_d, mask):
     ptr = qkv_ptr + rows[:, None] * stride_qkv + col + offs_d[None, :]
-    lo = tl.load(ptr, mask=mask, other=0.0)
-    hi = tl.load(ptr + half, mask=mask, other=0.0)
-    return (lo.to(tl.float32) + t_lo).to(lo.dtype), (hi.to(tl.float32) + t_hi).to(lo.dtype)
+    return tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + half, mask=mask, other=0.0)
+
+
+@triton.jit
+def _add_term(lo, hi, t_lo, t_hi, scale):
+    """The head's halves with the term added, rounded as the expand rounds it."""
+    s = scale[:, None]
+    return ((lo.to(tl.float32) + s * t_lo).to(lo.dtype),
+            (hi.to(tl.float32) + s * t_hi).to(lo.dtype))
 
 
 @triton.jit
@@ -98,8 +113,9 @@ def _rope_kv_lora_windows_kernel(
     PRECISION: tl.constexpr,
 ):
     """Grid (windows, heads + kv_heads): the first ``heads`` programs of a window rotate a q
-    head each; the others rotate a k head and copy its v head into the caches. Shapes and
-    strides fixed for a model are compile-time (the launcher's per-argument host cost)."""
+    head each; the others rotate a k head and copy its v head into the caches. Every load
+    that does not wait on the slot walk is issued before it. Shapes and strides fixed for a
+    model are compile-time (the launcher's per-argument host cost)."""
     rows, m_mask, slots = lora_rows(perm_ptr, slots_ptr, tl.program_id(0) * BLOCK_M, n_rows,
                                     sentinel, BLOCK_M)
     p = tl.program_id(1)
@@ -111,15 +127,18 @@ def _rope_kv_lora_windows_kernel(
     dt = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dt).to(tl.float32)
-    lora = (b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br, slots)
     head = (qkv_ptr, rows, stride_qkv)
+    per_row = (a_ptr, rows, m_mask, slots, ranks_ptr, scal_ptr)
+    strides = (max_rank, stride_am, stride_ar, BLOCK_R)
+    walk = (b_ptr, stride_bs, stride_bn, stride_br, sentinel, slots)
     if p < heads:
         col = p * 2 * half
-        a = block_a(a_ptr, rows, m_mask, 0, max_rank, stride_am, stride_ar, BLOCK_R)
-        t_lo, t_hi, _, _ = _window_terms(a, a, *lora, 0, col, col, half, offs_d, d_mask,
-                                         False, BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
-        lo, hi = _load_head(*head, col, half, offs_d, mask, t_lo, t_hi)
-        lo, hi = rotate_halves(lo, hi, cos, sin)
+        lo, hi = _load_head(*head, col, half, offs_d, mask)
+        a, rank, scale = _row_slice(*per_row, 0, *strides)
+        t_lo, t_hi, _, _ = _window_terms(a, rank, a, rank, *walk, col, col, half, offs_d,
+                                         d_mask, False, BLOCK_M, BLOCK_HALF, BLOCK_R,
+                                         PRECISION)
+        lo, hi = rotate_halves(*_add_term(lo, hi, t_lo, t_hi, scale), cos, sin)
         out = q_ptr + rows[:, None] * stride_q + col + offs_d[None, :]
         tl.store(out, lo, mask=mask)
         tl.store(out + half, hi, mask=mask)
@@ -127,18 +146,19 @@ def _rope_kv_lora_windows_kernel(
         j = p - heads
         k_col = (heads + j) * 2 * half
         v_col = k_col + kv_heads * 2 * half
-        a_k = block_a(a_ptr, rows, m_mask, 1, max_rank, stride_am, stride_ar, BLOCK_R)
-        a_v = block_a(a_ptr, rows, m_mask, 2, max_rank, stride_am, stride_ar, BLOCK_R)
-        k_lo, k_hi, v_lo, v_hi = _window_terms(a_k, a_v, *lora, 1, k_col, v_col, half, offs_d,
-                                               d_mask, True, BLOCK_M, BLOCK_HALF, BLOCK_R,
-                                               PRECISION)
+        k_lo, k_hi = _load_head(*head, k_col, half, offs_d, mask)
+        v_lo, v_hi = _load_head(*head, v_col, half, offs_d, mask)
         cache = tl.load(loc_ptr + rows, mask=m_mask, other=0).to(tl.int64)[:, None]
-        lo, hi = _load_head(*head, k_col, half, offs_d, mask, k_lo, k_hi)
-        lo, hi = rotate_halves(lo, hi, cos, sin)
+        a_k, rank_k, scale_k = _row_slice(*per_row, 1, *strides)
+        a_v, rank_v, scale_v = _row_slice(*per_row, 2, *strides)
+        tk_lo, tk_hi, tv_lo, tv_hi = _window_terms(a_k, rank_k, a_v, rank_v, *walk, k_col,
+                                                   v_col, half, offs_d, d_mask, True, BLOCK_M,
+                                                   BLOCK_HALF, BLOCK_R, PRECISION)
+        lo, hi = rotate_halves(*_add_term(k_lo, k_hi, tk_lo, tk_hi, scale_k), cos, sin)
         out = k_ptr + cache * stride_k + j * 2 * half + offs_d[None, :]
         tl.store(out, lo, mask=mask)
         tl.store(out + half, hi, mask=mask)
-        lo, hi = _load_head(*head, v_col, half, offs_d, mask, v_lo, v_hi)
+        lo, hi = _add_term(v_lo, v_hi, tv_lo, tv_hi, scale_v)
         out = v_ptr + cache * stride_v + j * 2 * half + offs_d[None, :]
         tl.store(out, lo, mask=mask)
         tl.store(out + half, hi, mask=mask)

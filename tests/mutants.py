@@ -243,7 +243,8 @@ MUTANTS = [
     Mutant("rope_window_v_takes_k_slice",
            "RoPE by windows adds k's slice of the term to v",
            "kernels/rope_kv_windows.py",
-           (("a_v = block_a(a_ptr, rows, m_mask, 2,", "a_v = block_a(a_ptr, rows, m_mask, 1,"),),
+           (("a_v, rank_v, scale_v = _row_slice(*per_row, 2,",
+             "a_v, rank_v, scale_v = _row_slice(*per_row, 1,"),),
            ("tests/test_fused_expand.py::test_rope_with_the_qkv_term_matches_expand_then_rope"
             "[torch.float32-windows]",)),
     Mutant("consumer_route_memoised_under_graph_hooks",
