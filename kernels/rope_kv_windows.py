@@ -129,12 +129,12 @@ def _rope_kv_lora_windows_kernel(
     sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dt).to(tl.float32)
     head = (qkv_ptr, rows, stride_qkv)
     per_row = (a_ptr, rows, m_mask, slots, ranks_ptr, scal_ptr)
-    strides = (max_rank, stride_am, stride_ar, BLOCK_R)
+    strides = (max_rank, stride_am, stride_ar)  # a constexpr passed in a tuple loses its kind
     walk = (b_ptr, stride_bs, stride_bn, stride_br, sentinel, slots)
     if p < heads:
         col = p * 2 * half
         lo, hi = _load_head(*head, col, half, offs_d, mask)
-        a, rank, scale = _row_slice(*per_row, 0, *strides)
+        a, rank, scale = _row_slice(*per_row, 0, *strides, BLOCK_R)
         t_lo, t_hi, _, _ = _window_terms(a, rank, a, rank, *walk, col, col, half, offs_d,
                                          d_mask, False, BLOCK_M, BLOCK_HALF, BLOCK_R,
                                          PRECISION)
@@ -149,8 +149,8 @@ def _rope_kv_lora_windows_kernel(
         k_lo, k_hi = _load_head(*head, k_col, half, offs_d, mask)
         v_lo, v_hi = _load_head(*head, v_col, half, offs_d, mask)
         cache = tl.load(loc_ptr + rows, mask=m_mask, other=0).to(tl.int64)[:, None]
-        a_k, rank_k, scale_k = _row_slice(*per_row, 1, *strides)
-        a_v, rank_v, scale_v = _row_slice(*per_row, 2, *strides)
+        a_k, rank_k, scale_k = _row_slice(*per_row, 1, *strides, BLOCK_R)
+        a_v, rank_v, scale_v = _row_slice(*per_row, 2, *strides, BLOCK_R)
         tk_lo, tk_hi, tv_lo, tv_hi = _window_terms(a_k, rank_k, a_v, rank_v, *walk, k_col,
                                                    v_col, half, offs_d, d_mask, True, BLOCK_M,
                                                    BLOCK_HALF, BLOCK_R, PRECISION)
