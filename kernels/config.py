@@ -330,13 +330,16 @@ H200, 4 layers, 16 adapters r=64, bs 256: the norm's kernel time a forward 697 u
 182-187 by windows. Read at import; a huge value: never."""
 
 GRAPH_WINDOWS_MIN_ROWS = {
-    "rope": int(os.environ.get("MULTILORA_ROPE_GRAPH_WINDOWS_MIN_ROWS", "256")),
+    "rope": int(os.environ.get("MULTILORA_ROPE_GRAPH_WINDOWS_MIN_ROWS", "128")),
 }
 """The same inside a graph capture or a trace, where the alternative is the projection's
 separate expand after its GEMM: RoPE (qkv's term, ``kernels.rope_kv_windows``). The norm
 never: its scratch is shared by every launch on a device. A window of many distinct slots
-walks them in sequence, so few rows a slot (decode of many adapters) favour the expand's
-grid."""
+walks them in sequence, so few rows a slot favour the expand's grid: H200, LoRA replay minus
+base replay (us, two rounds, expand / by windows), 4 layers 16 adapters r=16 bs 64 138 / 144,
+bs 128 197-204 / 186-204, bs 256 159-187 / 169-177; 4 adapters bs 64 75-80 / 70-72, bs 256
+112-131 / 102; prefill 256 tokens 140-142 / 122-126; full depth 8 adapters bs 64 772 / 749,
+bs 256 1261-1405 / 1226-1283."""
 
 
 def pending_by_windows(x: torch.Tensor, consumer: str) -> bool:
