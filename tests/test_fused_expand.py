@@ -68,6 +68,16 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
 
 
+def _tol_against_separate(dtype, epilogue: str, k: int) -> float:
+    """Tolerance of a fused consumer against the separate expand then the consumer. An
+    unshrunk term's consumer computes ``a`` itself, summing over the input's ``k`` columns in
+    another order than the split-K shrink whose ``a`` the separate path expands; the two
+    sums' difference grows like sqrt(k) (fp32 at k = 8216 on the interpreter: 0.23 of the
+    flat tolerance; an H200 run of the by-windows SwiGLU exceeded it). The float64 check
+    after it keeps the flat one."""
+    return TOL[dtype] * (max(1.0, (k / 256) ** 0.5) if epilogue in UNSHRUNK else 1.0)
+
+
 def _term(epilogue: str, lora: PendingLoRA, x: torch.Tensor):
     """The consumer's ``lora`` argument: the pending term, its delta as
     ``LoRABackend.linear_delta`` builds it (the expand into zeros), or the input ``x`` for
@@ -150,7 +160,8 @@ def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dt
     got = silu_mul(y, _term(epilogue, lora, x))
     assert got.shape == (x.shape[0], inter) and torch.isfinite(got).all()
     want = silu_mul(lora.apply(y.clone()))
-    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    tol = _tol_against_separate(dtype, epilogue, x.shape[1])
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     gu = y.double().cpu() + lora_delta_f64(x, w, token_slots)
     ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert rel_err(got, ref) <= 4 * TOL[dtype]
@@ -202,9 +213,10 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
     assert torch.equal(qkv, qkv_in), "qkv is an input: the term is added to a copy or in registers"
     q_want = rope_and_cache_kv(lora.apply(qkv.clone()), pos, cos, sin, loc, k_want, v_want,
                                heads)
+    tol = _tol_against_separate(dtype, epilogue, x.shape[1])
     for got, want in ((q, q_want), (k_got[loc], k_want[loc]), (v_got[loc], v_want[loc])):
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)
     untouched[loc] = False
     assert k_got[untouched].isnan().all() and v_got[untouched].isnan().all()
@@ -251,7 +263,8 @@ def test_norm_with_a_term_matches_expand_then_norm(monkeypatch, epilogue, dtype,
     want = rms_norm(lora.apply(y.clone()), nw, 1e-5, residual)
     for a, b in zip(got, want, strict=True) if with_residual else [(got, want)]:
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+        tol = _tol_against_separate(dtype, epilogue, x.shape[1])
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     s64 = y.double().cpu() + lora_delta_f64(x, w, token_slots)
     if with_residual:
         s64 = s64 + res.double().cpu()
