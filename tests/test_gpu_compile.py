@@ -1,5 +1,6 @@
 """The consumers' LoRA kernels (RoPE + KV write, SwiGLU, the residual add + RMSNorm; by rows
-and by windows, pending and unshrunk) and the LoRA kernels themselves compile for the H200
+and by windows, pending and unshrunk) and the LoRA kernels themselves (shrink, expand, the
+one-launch kernel) compile for the H200
 (sm_90) in bf16, checked on a machine without a GPU: each is launched once under the
 interpreter on a small fp16 problem, and every launch is compiled again for the GPU with its
 fp16 tensors taken as bf16 (``tests/gpu_compile.py``)."""
@@ -10,7 +11,15 @@ import pytest
 import torch
 from gpu_compile import compile_for_gpu, gpu_compiler_available, recorded_launches
 
-from kernels import LoRAWeights, SegmentLayout, config, lora_shrink, plan_segments
+from kernels import (
+    LoRAWeights,
+    SegmentLayout,
+    config,
+    lora_expand,
+    lora_shrink,
+    lora_shrink_expand,
+    plan_segments,
+)
 from kernels.lora_epilogue import PendingLoRA
 from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
@@ -60,17 +69,29 @@ def _consumers(monkeypatch, rows: int, windows: bool, unshrunk: bool) -> None:
              _term(g, INTER, [HIDDEN], rows, unshrunk))
 
 
+def _lora_kernels(rows: int) -> None:
+    """The shrink (split-K), the expand and the one-launch kernel."""
+    g = torch.Generator().manual_seed(rows)
+    term = _term(g, HIDDEN, [HIDDEN, INTER], rows, unshrunk=False)
+    y = torch.randn(rows, HIDDEN + INTER, generator=g).half()
+    lora_expand(term.a, term.weights, y, term.layout)
+    lora_shrink_expand(torch.randn(rows, HIDDEN, generator=g).half(), term.weights, y,
+                       term.layout)
+
+
 @pytest.mark.slow
-def test_the_consumers_lora_kernels_compile_for_the_gpu(monkeypatch):
+def test_the_lora_kernels_compile_for_the_gpu(monkeypatch):
     with recorded_launches(as_dtype={torch.float16: torch.bfloat16}) as launches:
         for windows in (False, True):
             for unshrunk in (False, True):
                 with monkeypatch.context() as m:
                     _consumers(m, 20, windows, unshrunk)
+        _lora_kernels(20)
     names = {launch["name"] for launch in launches}
     for kernel in ("_rope_kv_lora_windows_kernel", "_add_rms_norm_lora_windows_kernel",
                    "_silu_mul_lora_kernel", "_rope_kv_lora_kernel", "_add_rms_norm_lora_kernel",
-                   "_silu_mul_lora_rows_kernel"):
+                   "_silu_mul_lora_rows_kernel", "_shrink_kernel", "_expand_kernel",
+                   "_shrink_expand_kernel"):
         assert kernel in names, f"{kernel} was never launched: the routes were not forced"
     failures = compile_for_gpu(launches)
     assert not failures, "\n".join(failures)
