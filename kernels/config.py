@@ -343,9 +343,14 @@ bs 256 1261-1405 / 1226-1283."""
 
 
 def pending_by_windows(x: torch.Tensor, consumer: str) -> bool:
-    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows."""
-    limits = PENDING_WINDOWS_MIN_ROWS if eager(x) else GRAPH_WINDOWS_MIN_ROWS
-    return limits.get(consumer, sys.maxsize) <= x.shape[0]
+    """Whether ``consumer`` adds a pending term to ``x``'s rows by windows. The rows are
+    checked first: ``eager`` costs host time, and a decode step asks this every layer."""
+    rows = x.shape[0]
+    at_eager = PENDING_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize)
+    in_graph = GRAPH_WINDOWS_MIN_ROWS.get(consumer, sys.maxsize)
+    if rows < min(at_eager, in_graph):
+        return False
+    return rows >= (at_eager if eager(x) else in_graph)
 
 
 def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int) -> bool:
