@@ -179,6 +179,27 @@ def test_swiglu_and_the_norm_take_the_unshrunk_term_by_windows_of_about_one_adap
         by_rows or (norm_windows and max_rank <= 64))
 
 
+@pytest.mark.parametrize(("rows", "capturing", "want_rope", "want_norm"), [
+    (63, False, False, False), (127, True, False, False),  # below both limits
+    (128, False, True, True), (128, True, True, False),  # the norm by windows eager only
+    (2048, True, True, False),
+])
+def test_the_pending_term_by_windows_route_asks_about_capture_only_past_the_limits(
+        monkeypatch, rows, capturing, want_rope, want_norm):
+    """RoPE takes a pending term by windows from 128 rows, eager or captured; the norm only
+    eager. Below both limits the capture and tracer checks (host time on every eager layer)
+    are not asked at all."""
+    monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 128, "rope": 128})
+    monkeypatch.setattr(config, "GRAPH_WINDOWS_MIN_ROWS", {"rope": 128})
+    asked = []
+    monkeypatch.setattr(config, "eager", lambda x: asked.append(1) or not capturing)
+    x = torch.empty(rows, 8)
+    assert config.pending_by_windows(x, "rope") is want_rope
+    assert config.pending_by_windows(x, "norm") is want_norm
+    assert bool(asked) is (rows >= 128)
+    assert config.expand_in_consumer(x, "rope", 16) or not want_rope
+
+
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_a_triton_linear_takes_the_route_the_budget_allows(monkeypatch, data):
