@@ -21,7 +21,8 @@ Two program shapes:
   (``UnshrunkLoRA.block_args``, ``config.unshrunk_by_windows``) has the program compute its
   window's ``a`` too (``block_shrink``: a ``tl.dot`` loop over K per distinct slot), then
   serve a group of column tiles with it. SwiGLU has both; the residual add + RMSNorm has the
-  by-windows shape in ``kernels.rms_norm_windows`` (eager only).
+  by-windows shape in ``kernels.rms_norm_windows`` (eager only), RoPE with the KV write in
+  ``kernels.rope_kv_windows`` (a pending term, in graphs too).
 
 Every row is covered, those of the neutral slot and padding rows included (the consumer's own
 work), unlike the LoRA kernels' grids, which skip them.

@@ -14,7 +14,8 @@ its launches' host time).
 
 Hazards: the scratch is shared by every launch on a device, so launches must not overlap:
 the runtime's eager forwards run on one stream (a graph capture never takes this route:
-``config.pending_by_windows`` and ``config.shrink_in_consumer`` are eager only). The last
+``config.pending_by_windows`` takes the norm's only eager, ``config.shrink_in_consumer``
+every route only eager). The last
 program reads what the window's other programs stored. Each program's
 stores are ordered before its counter increment by a barrier and the increment's release;
 the last one's acquire orders its reads after them, and it reads through L2 (``.cg``), never
