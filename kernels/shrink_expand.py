@@ -41,11 +41,13 @@ def _shrink_expand_kernel(
     stride_bs, stride_bn, stride_br,
     stride_ym, stride_yn,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, COL_ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_base, idle = expand_program(
         perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr, slice_off_ptr,
-        lb_ptr, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, TILES)
+        lb_ptr, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, TILES,
+        COL_ALIGN)
     if idle:
         return
     a = shrink_rows(x_ptr, la_ptr, rows, m_mask, slot, sl * max_rank + offs_r, r_mask, K, 0, K,
@@ -63,7 +65,7 @@ def _shrink_expand_op(
     ranks: torch.Tensor, scalings: torch.Tensor, slice_offsets: torch.Tensor,
     permutation: torch.Tensor, block_slots: torch.Tensor, block_starts: torch.Tensor,
     block_ends: torch.Tensor, block_m: int, num_groups: int, block_n: int, block_k: int,
-    tiles: int, num_warps: int,
+    tiles: int, num_warps: int, col_align: int,
 ) -> None:
     grid = (block_slots.shape[0], num_groups)
     if y.shape[0] == 0 or grid[0] == 0:
@@ -78,7 +80,7 @@ def _shrink_expand_op(
         *lora_b.stride(),
         *y.stride(),
         NUM_SLICES=slice_offsets.shape[0] - 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k, TILES=tiles,
+        BLOCK_R=config.rank_block(max_rank), BLOCK_K=block_k, TILES=tiles, COL_ALIGN=col_align,
         PRECISION=config.dot_precision(lora_b.dtype), num_warps=num_warps,
     )
 
@@ -106,4 +108,5 @@ def lora_shrink_expand(
         x, weights.lora_a, weights.lora_b, y, weights.ranks, weights.scalings,
         weights.slice_offsets, layout.permutation, layout.block_slots, layout.block_starts,
         layout.block_ends, layout.block_m, num_groups, block_n, block_k, tiles, num_warps,
+        weights.column_align,
     )

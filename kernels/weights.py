@@ -10,6 +10,7 @@ give slices different ranks (PEFT ``rank_pattern``); slice s of a slot uses rows
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -68,6 +69,14 @@ class LoRAWeights:
     def slice_widths(self) -> tuple[int, ...]:
         b = self.slice_bounds
         return tuple(b[i + 1] - b[i] for i in range(len(b) - 1))
+
+    @cached_property
+    def column_align(self) -> int:
+        """The largest power of two, at most 16, dividing every slice bound: kernels that mask
+        a slice's output columns tell the compiler (``tl.multiple_of``) so their accesses of
+        the output vectorize."""
+        g = math.gcd(*self.slice_bounds)
+        return min(16, g & -g)
 
     @staticmethod
     def for_linear(

@@ -151,3 +151,15 @@ def test_mismatches_are_named_after_good_launches_too():
     w.lora_b = w.lora_b[:, :, :2].contiguous()  # another tensor, of the wrong rank
     with pytest.raises(ValueError, match="max_rank"):
         lora_expand(lora_shrink(x, w, layout), w, y, layout)
+
+
+@pytest.mark.parametrize("widths, align", [([4096, 1024, 1024], 16), ([14336, 14336], 16),
+                                           ([24, 8], 8), ([20, 12, 36], 4), ([7], 1),
+                                           ([16, 3], 1)])
+def test_column_align_divides_every_slice_bound(widths, align):
+    """The kernels promise the GPU compiler that every slice bound is a multiple of it (their
+    column masks then cover whole 16-byte vectors): a value too large would mask columns of
+    the next slice in or of this one out."""
+    w = LoRAWeights.for_linear(1, 8, widths, 4, torch.float32, "cpu")
+    assert w.column_align == align
+    assert all(b % w.column_align == 0 for b in w.slice_bounds)
