@@ -83,8 +83,9 @@ def load_b_tile(b_base, r_mask, n0, n_hi, stride_bn, BLOCK_N: tl.constexpr):
 def add_tiles(a, b, b_base, y_rows, m_mask, r_mask, n_lo, n_hi, scale, stride_bn, stride_yn,
               BLOCK_N: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr):
     """``y[rows, tile] += scale * a @ B_tile`` for the group's tiles; ``b`` is the first tile,
-    already loaded (the PDL prologue loads it before the wait)."""
-    for t in tl.static_range(TILES):  # TILES <= 2 (config.expand_tiles_per_program)
+    already loaded (the PDL prologue loads it before the wait). A loop, not unrolled: two
+    unrolled 64 x 128 tiles took 254 registers a thread."""
+    for t in tl.range(0, TILES, num_stages=1):  # TILES <= 4 (config.expand_tiles_per_program)
         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
         if t > 0:
@@ -167,8 +168,8 @@ def lora_expand(
     check_expand_args(weights, y, layout, "lora_expand")
     check_shrunk(a, weights, y.shape[0])
     num_groups, block_n, tiles, num_warps = launch_shape(
-        weights.slice_widths, layout.block_m, layout.block_slots.shape[0], y.device, tiles,
-        block_n, num_warps)
+        weights.slice_widths, layout.block_m, layout.block_slots.shape[0], weights.max_rank,
+        y.device, tiles, block_n, num_warps)
     _expand_op(
         a, weights.lora_b, y, weights.ranks, weights.scalings, weights.slice_offsets,
         layout.permutation, layout.block_slots, layout.block_starts, layout.block_ends,
@@ -204,13 +205,14 @@ def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayo
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int,
-                  device: torch.device, tiles: int | None, block_n: int | None,
-                  num_warps: int | None) -> tuple[int, int, int, int]:
+def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int, max_rank: int,
+                 device: torch.device, tiles: int | None, block_n: int | None,
+                 num_warps: int | None) -> tuple[int, int, int, int]:
     """(groups, block_n, tiles, num_warps) of one launch: a function of shapes only, so it is
     computed once per shape (its Python cost per eager launch was ~8 us on a slow host)."""
-    block_n = block_n or config.expand_n_block(max(slice_widths), block_m)
+    block_n = block_n or config.expand_n_block(max(slice_widths))
     slice_tiles = [config.cdiv(w, block_n) for w in slice_widths]
-    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles), device, tiles)
+    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles),
+                                            config.rank_block(max_rank), device, tiles)
     num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
     return num_groups, block_n, tiles, num_warps or config.num_warps(block_m, block_n)
