@@ -80,17 +80,19 @@ def expand_n_block(max_width: int) -> int:
 
 
 def expand_tiles_per_program(
-    num_blocks: int, num_tiles: int, block_r: int, device: torch.device, tiles: int | None
+    num_blocks: int, num_tiles: int, block_m: int, block_r: int, device: torch.device,
+    tiles: int | None
 ) -> int:
     """Output tiles one expand program walks, reusing its ``a`` tile (``BLOCK_M x BLOCK_R``
-    fp32, half a ``BLOCK_M x 128`` y tile's read and write at rank 64): 4 from rank block 32
-    while the grid still fills the device twice, else 1. H200, T=2048, block_m 64, 128-column
-    tiles, 1 / 4 tiles: r=64 gate_up 117.2 / 100.6 us, qkv 29.1 / 24.0, o_proj 21.5 / 19.0;
-    r=16 gate_up 72.5 / 72.7, qkv 18.5 / 18.4; at T=512 with 8 blocks (under one wave at 4)
-    gate_up r=16 22.0 / 26.6."""
+    fp32, half a ``BLOCK_M x 128`` y tile's read and write at rank 64): at prefill (blocks of
+    64 rows) 4 from rank block 32 while the grid still fills the device twice, else 1. H200,
+    T=2048, 128-column tiles, 1 / 4 tiles: r=64 gate_up 117.2 / 100.6 us, qkv 29.1 / 24.0,
+    o_proj 21.5 / 19.0; r=16 gate_up 72.5 / 72.7, qkv 18.5 / 18.4; at T=512 with 8 blocks
+    (under one wave at 4) gate_up r=16 22.0 / 26.6. Decode blocks (16 rows): 4 tiles lost
+    (gate_up, T=64, r=64: 22.0 us against 20.8 with 2 unvectorized)."""
     if tiles is None:
         waves = num_blocks * num_tiles / max(1, programs_wanted(device))
-        tiles = 4 if block_r >= 32 and waves >= 2 else 1
+        tiles = 4 if block_m >= 64 and block_r >= 32 and waves >= 2 else 1
     tiles = max(1, min(4, tiles))
     return 1 << (tiles.bit_length() - 1)
 

@@ -212,7 +212,7 @@ def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int, m
     computed once per shape (its Python cost per eager launch was ~8 us on a slow host)."""
     block_n = block_n or config.expand_n_block(max(slice_widths))
     slice_tiles = [config.cdiv(w, block_n) for w in slice_widths]
-    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles),
+    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles), block_m,
                                             config.rank_block(max_rank), device, tiles)
     num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
     return num_groups, block_n, tiles, num_warps or config.num_warps(block_m, block_n)
