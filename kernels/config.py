@@ -72,26 +72,33 @@ def shrink_split(
     return -(-k // k_per_split), k_per_split
 
 
-def expand_n_block(max_width: int) -> int:
+def expand_n_block(max_width: int, block_m: int, one_launch: bool = False) -> int:
     # 64 rows x 128 columns took 255 registers a thread while y's accesses were scalar; with
     # them vectorized (``LoRAWeights.column_align``) 126, and 128 columns beat 64 at prefill
     # (H200, T=2048, block_m 64: gate_up 72.5 against 85.8 us, o_proj 13.4 against 14.7).
-    return max(16, min(128, next_pow2(max_width)))
+    # The one-launch kernel keeps 64 for 64-row blocks (its shrink's registers; not re-measured).
+    cap = 64 if one_launch and block_m >= 64 else 128
+    return max(16, min(cap, next_pow2(max_width)))
 
 
 def expand_tiles_per_program(
     num_blocks: int, num_tiles: int, block_m: int, block_r: int, device: torch.device,
-    tiles: int | None
+    tiles: int | None, one_launch: bool = False
 ) -> int:
     """Output tiles one expand program walks, reusing its ``a`` tile (``BLOCK_M x BLOCK_R``
     fp32, half a ``BLOCK_M x 128`` y tile's read and write at rank 64): at prefill (blocks of
     64 rows) 4 from rank block 32 while the grid still fills the device twice, else 1. H200,
     T=2048, 128-column tiles, 1 / 4 tiles: r=64 gate_up 117.2 / 100.6 us, qkv 29.1 / 24.0,
     o_proj 21.5 / 19.0; r=16 gate_up 72.5 / 72.7, qkv 18.5 / 18.4; at T=512 with 8 blocks
-    (under one wave at 4) gate_up r=16 22.0 / 26.6. Decode blocks (16 rows): 4 tiles lost
-    (gate_up, T=64, r=64: 22.0 us against 20.8 with 2 unvectorized)."""
-    if tiles is None:
-        waves = num_blocks * num_tiles / max(1, programs_wanted(device))
+    (under one wave at 4) gate_up r=16 22.0 / 26.6. Decode blocks (16 rows), 1 / 2 / 4 tiles:
+    gate_up T=64 r=64 18.0 / 18.2 / 22.2, qkv T=64 r=64 6.0 / 7.6 / 10.2, gate_up T=64 r=16
+    8.7 / 7.8 / 10.1. The one-launch kernel (``one_launch``) recomputes ``a`` in every
+    program, so its programs walk up to 2 tiles as soon as the grid covers the device twice
+    (with 1, the eager bs-64 r=64 step went from 1.27x to 1.48x its base)."""
+    waves = num_blocks * num_tiles // max(1, programs_wanted(device))
+    if tiles is None and one_launch:
+        tiles = min(2, waves)
+    elif tiles is None:
         tiles = 4 if block_m >= 64 and block_r >= 32 and waves >= 2 else 1
     tiles = max(1, min(4, tiles))
     return 1 << (tiles.bit_length() - 1)

@@ -100,7 +100,7 @@ def lora_shrink_expand(
     check_expand_args(weights, y, layout, "lora_shrink_expand")
     num_groups, block_n, tiles, num_warps = launch_shape(
         weights.slice_widths, layout.block_m, layout.block_slots.shape[0], weights.max_rank,
-        y.device, tiles, block_n, None)
+        y.device, tiles, block_n, None, one_launch=True)
     block_k = block_k or config.shrink_k_block(config.rank_block(weights.max_rank), x.shape[1])
     check(block_k >= 16 and block_k & (block_k - 1) == 0,
           lambda: f"block_k must be a power of two >= 16, got {block_k}")
