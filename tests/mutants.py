@@ -247,6 +247,18 @@ MUTANTS = [
              "a_v, rank_v, scale_v = _row_slice(*per_row, 1,"),),
            ("tests/test_fused_expand.py::test_rope_with_the_qkv_term_matches_expand_then_rope"
             "[torch.float32-windows]",)),
+    Mutant("column_align_claims_16",
+           "the expand promises the compiler 16-column slice bounds whatever the widths (on a "
+           "GPU its masks would cover columns of the next slice)",
+           "kernels/weights.py",
+           (("        return min(16, g & -g)", "        return 16"),),
+           ("tests/test_kernel_checks.py::test_column_align_divides_every_slice_bound",)),
+    Mutant("one_launch_walks_one_tile",
+           "the one-launch kernel's programs walk one output tile each (its shrink recomputed "
+           "for every tile)",
+           "kernels/config.py",
+           (("        tiles = min(2, waves)", "        tiles = 1"),),
+           ("tests/test_kernel_checks.py::test_one_launch_programs_reuse_their_recomputed_a",)),
     Mutant("consumer_route_memoised_under_graph_hooks",
            "the eager route decision is memoised under the graph hooks too (a capture's "
            "eager warm-up would pick the route the capture records)",
