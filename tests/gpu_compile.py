@@ -7,6 +7,9 @@ launch's argument types and compile-time values; ``compile_for_gpu`` compiles ea
 launch for ``GPUTarget("cuda", 90, 32)`` (the H200's architecture) in a fresh process with the
 interpreter off, since a process that imported the kernels interpreted holds no JIT functions.
 No device is needed: Triton's front end, its MLIR passes and ptxas all run on the host.
+Arguments are specialised as the JIT does on a device (16-byte-aligned pointers and integers
+divisible by 16 marked so, integers equal to 1 compiled as constants), so ``compiled_ptx``
+shows the code a launch gets there: whether its memory accesses are vectors, for one.
 """
 
 from __future__ import annotations
@@ -54,12 +57,16 @@ def recorded_launches(as_dtype: dict | None = None):
         params = list(self.arg_names)
         values = dict(zip(params, args, strict=False)) | {
             k: v for k, v in kwargs.items() if k in params}
-        constexprs = {p: values[p] for p in params if _is_constexpr(fn, p)}
+        # The JIT compiles an integer argument equal to 1 as that constant (a unit stride).
+        constexprs = {p: values[p] for p in params
+                      if _is_constexpr(fn, p) or _is_one(values[p])}
         signature = {p: "constexpr" if p in constexprs else _arg_type(values[p], as_dtype)
                      for p in params}
         options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         launches.append(dict(module=fn.__module__, name=fn.__name__, signature=signature,
-                             constexprs=constexprs, options=options))
+                             constexprs=constexprs, options=options,
+                             divisible=[p for p in params if p not in constexprs
+                                        and _divisible_by_16(values[p])]))
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -67,6 +74,18 @@ def recorded_launches(as_dtype: dict | None = None):
         yield launches
     finally:
         InterpretedFunction.run = original
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == 1
+
+
+def _divisible_by_16(value) -> bool:
+    """What the JIT marks ``tt.divisibility = 16``: a tensor whose address is 16-byte aligned,
+    an integer that is a multiple of 16."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def _is_constexpr(fn, param: str) -> bool:
@@ -81,17 +100,21 @@ import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-failures = []
+failures, ptx = [], []
 for launch in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
     names = kernel.arg_names
     consts = {(names.index(k),): v for k, v in launch["constexprs"].items()}
-    src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=consts)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in launch.get("divisible", ())}
+    src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=consts, attrs=attrs)
     try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=launch["options"])
+        ptx.append(compiled.asm["ptx"])
     except Exception as e:  # noqa: BLE001  (reported, not raised: every launch is tried)
         failures.append(f"{launch['module']}.{launch['name']}: {type(e).__name__}: {e}")
-print(json.dumps(failures))
+        ptx.append(None)
+print(json.dumps({"failures": failures, "ptx": ptx}))
 """
 
 
@@ -103,15 +126,28 @@ def gpu_compiler_available() -> bool:
     return "nvidia" in backends
 
 
+def _compile(launches: list[dict], timeout: float, extra_path: str | None) -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), extra_path) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    out = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(launches),
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the compile process failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def compile_for_gpu(launches: list[dict], timeout: float = 600,
                     extra_path: str | None = None) -> list[str]:
     """Compiles each distinct recorded launch for sm_90; returns the failures' messages.
     ``extra_path``: a folder the kernels' modules are imported from besides the project."""
     unique = {json.dumps(launch, sort_keys=True): launch for launch in launches}
-    path = os.pathsep.join(p for p in (str(ROOT), extra_path) if p)
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(list(unique.values())),
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"the compile process failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _compile(list(unique.values()), timeout, extra_path)["failures"]
+
+
+def compiled_ptx(launches: list[dict], timeout: float = 600) -> list[str]:
+    """The sm_90 PTX of each recorded launch, in order (a launch that fails to compile
+    raises)."""
+    out = _compile(launches, timeout, None)
+    if out["failures"]:
+        raise RuntimeError("\n".join(out["failures"]))
+    return out["ptx"]

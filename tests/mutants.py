@@ -253,6 +253,13 @@ MUTANTS = [
            "kernels/weights.py",
            (("        return min(16, g & -g)", "        return 16"),),
            ("tests/test_kernel_checks.py::test_column_align_divides_every_slice_bound",)),
+    Mutant("expand_hint_dropped",
+           "the expand no longer tells the compiler its slice bounds' alignment (y's accesses "
+           "compile to 2-byte loads and stores: half the prefill bandwidth)",
+           "kernels/expand.py",
+           (("    return sl, tl.multiple_of(n_lo, COL_ALIGN), tl.multiple_of(n_hi, COL_ALIGN)",
+             "    return sl, n_lo, n_hi"),),
+           ("tests/test_gpu_compile.py::test_the_expand_stores_y_in_16_byte_vectors",)),
     Mutant("one_launch_walks_one_tile",
            "the one-launch kernel's programs walk one output tile each (its shrink recomputed "
            "for every tile)",

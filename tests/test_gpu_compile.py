@@ -7,9 +7,11 @@ fp16 tensors taken as bf16 (``tests/gpu_compile.py``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from gpu_compile import compile_for_gpu, gpu_compiler_available, recorded_launches
+from gpu_compile import compile_for_gpu, compiled_ptx, gpu_compiler_available, recorded_launches
 
 from kernels import (
     LoRAWeights,
@@ -119,3 +121,28 @@ def test_a_constexpr_lost_in_a_tuple_fails_the_gpu_compile(tmp_path):
         sys.path.remove(str(tmp_path))
     failures = compile_for_gpu(launches, extra_path=str(tmp_path))
     assert len(failures) == 1 and "constexpr" in failures[0]
+
+
+def _expand_launch(widths: list[int]) -> dict:
+    with recorded_launches(as_dtype={torch.float16: torch.bfloat16}) as launches:
+        g = torch.Generator().manual_seed(0)
+        term = _term(g, HIDDEN, widths, 20, unshrunk=False)
+        y = torch.randn(20, sum(widths), generator=g).half()
+        lora_expand(term.a, term.weights, y, term.layout)
+    (launch,) = [x for x in launches if x["name"] == "_expand_kernel"]
+    return launch
+
+
+def test_the_expand_stores_y_in_16_byte_vectors():
+    """The expand's only stores are y's. With every slice bound a multiple of 16 columns
+    (``LoRAWeights.column_align``) the compiler is told so and stores 8 bf16 at a time; with
+    bounds of no alignment (the control: same y stride) it stores them one at a time, which
+    ran the prefill expand at half its bandwidth on the H200."""
+    aligned, unaligned = compiled_ptx([_expand_launch([64, 32]), _expand_launch([63, 33])])
+
+    def stores(ptx):
+        return re.findall(r"st\.global(?:\.[a-z0-9]+)+", ptx)
+
+    assert stores(aligned) and all(".v4.b32" in st for st in stores(aligned)), stores(aligned)
+    assert stores(unaligned) and all(st.endswith(".b16") for st in stores(unaligned)), \
+        stores(unaligned)
