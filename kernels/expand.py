@@ -54,12 +54,13 @@ def slice_group(slice_off_ptr, group, NUM_SLICES: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def expand_program(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr, slice_off_ptr,
-                   b_ptr, stride_bs, stride_bn, stride_br,
+                   b_ptr, max_rank, stride_bs, stride_bn, stride_br,
                    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, TILES: tl.constexpr, COL_ALIGN: tl.constexpr):
     """What an expand program (grid: blocks x output groups) knows before reading any input
-    that a kernel writes: its slice and columns, block, rows, rank mask, where B's rows start,
-    and whether it has nothing to do (rank-0 slot, empty block, no columns)."""
+    that a kernel writes: its slice and columns, block, rows, the slot's rank mask (for ``a``),
+    B's (``b_r_mask``), where B's rows start, and whether it has nothing to do (rank-0 slot,
+    empty block, no columns)."""
     sl, n_lo, n_hi = slice_group(slice_off_ptr, tl.program_id(1), NUM_SLICES, BLOCK_N, TILES,
                                  COL_ALIGN)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
@@ -68,19 +69,23 @@ def expand_program(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr
     idle = (rank == 0) | empty | (n_lo >= n_hi)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
+    # Hazard: B is read up to max_rank, not the slot's rank (a mask the compiler can vectorize:
+    # max_rank is specialized as a multiple of 16); ``a`` is zero past the rank, so B's columns
+    # there only need to be finite (LoRAWeights' contract: zeros).
+    b_r_mask = offs_r < max_rank
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-    return sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_base, idle
+    return sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_r_mask, b_base, idle
 
 
 @triton.jit
-def load_b_tile(b_base, r_mask, n0, n_hi, stride_bn, BLOCK_N: tl.constexpr):
+def load_b_tile(b_base, b_r_mask, n0, n_hi, stride_bn, BLOCK_N: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     return tl.load(b_base + offs_n[None, :] * stride_bn,
-                   mask=r_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
+                   mask=b_r_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
 
 
 @triton.jit
-def add_tiles(a, b, b_base, y_rows, m_mask, r_mask, n_lo, n_hi, scale, stride_bn, stride_yn,
+def add_tiles(a, b, b_base, y_rows, m_mask, b_r_mask, n_lo, n_hi, scale, stride_bn, stride_yn,
               BLOCK_N: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr):
     """``y[rows, tile] += scale * a @ B_tile`` for the group's tiles; ``b`` is the first tile,
     already loaded (the PDL prologue loads it before the wait). A loop, not unrolled: two
@@ -89,7 +94,7 @@ def add_tiles(a, b, b_base, y_rows, m_mask, r_mask, n_lo, n_hi, scale, stride_bn
         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
         if t > 0:
-            b = load_b_tile(b_base, r_mask, n_lo + t * BLOCK_N, n_hi, stride_bn, BLOCK_N)
+            b = load_b_tile(b_base, b_r_mask, n_lo + t * BLOCK_N, n_hi, stride_bn, BLOCK_N)
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         y_mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -109,21 +114,21 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr, TILES: tl.constexpr, COL_ALIGN: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_base, idle = expand_program(
+    sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_r_mask, b_base, idle = expand_program(
         perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr, slice_off_ptr,
-        b_ptr, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, TILES,
-        COL_ALIGN)
+        b_ptr, max_rank, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+        TILES, COL_ALIGN)
     if idle:
         return
     # B was written before the replay began: its first tile loads before the wait.
-    b = load_b_tile(b_base, r_mask, n_lo, n_hi, stride_bn, BLOCK_N)
+    b = load_b_tile(b_base, b_r_mask, n_lo, n_hi, stride_bn, BLOCK_N)
     scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
     if PDL:  # every read below this line may depend on the kernels before this one
         tl.extra.cuda.gdc_wait()
     a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :] * stride_ar,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     add_tiles(a.to(b_ptr.dtype.element_ty), b, b_base, y_ptr + rows[:, None] * stride_ym, m_mask,
-              r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
+              b_r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
 
 
 @traced_op("multilora::expand", mutates_args=("y",))

@@ -143,7 +143,7 @@ def block_shrink(x_ptr, la_ptr, ranks_ptr, max_rank, sentinel, K, stride_xm, str
 
 @triton.jit
 def lora_delta(a, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br,
-               slots, offs_n, n_mask, sl,
+               slots, offs_n, n_mask, sl, max_rank,
                NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """fp32 ``[BLOCK_M, BLOCK_N]``: slice ``sl``'s LoRA term at B rows ``offs_n`` of rows whose
@@ -156,11 +156,12 @@ def lora_delta(a, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, st
         rank = tl.load(ranks_ptr + cur * NUM_SLICES + sl)
         if rank > 0:
             scale = tl.load(scal_ptr + cur * NUM_SLICES + sl)
-            r_mask = offs_r < rank
+            # B read up to max_rank (a mask the compiler vectorizes), ``a`` zeroed past the
+            # rank: B's columns there need only be finite (LoRAWeights' contract).
             b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
                         + offs_n[None, :] * stride_bn,
-                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            mine = tl.where((slots == cur)[:, None] & r_mask[None, :], a, 0.0)
+                        mask=(offs_r < max_rank)[:, None] & n_mask[None, :], other=0.0)
+            mine = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], a, 0.0)
             acc += scale * tl.dot(mine.to(b.dtype), b, input_precision=PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
     return acc

@@ -69,7 +69,8 @@ def _add_rms_norm_lora_kernel(
         mask = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + row_lora_term(a, b_ptr, slot, rank, scale, offs, mask,
-                                              stride_bs, stride_bn, stride_br, BLOCK_R)
+                                              stride_bs, stride_bn, stride_br, max_rank,
+                                              BLOCK_R)
              ).to(x.dtype)
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)

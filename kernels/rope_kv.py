@@ -95,7 +95,7 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v
 
 @triton.jit
 def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, a, slot, rank, scale,
-                    b_ptr, stride_bs, stride_bn, stride_br, BLOCK_R: tl.constexpr):
+                    b_ptr, stride_bs, stride_bn, stride_br, max_rank, BLOCK_R: tl.constexpr):
     """Halves (lo, hi) of the head vector at column ``col`` of a qkv row, its slice's LoRA
     term (``row_lora_a``'s ``a, slot, rank, scale``) added and rounded as the expand rounds
     it."""
@@ -104,11 +104,10 @@ def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, a, slot, rank, 
     strides = (stride_bs, stride_bn, stride_br)
     lo = tl.load(ptr, mask=d_mask, other=0.0)
     hi = tl.load(ptr + half, mask=d_mask, other=0.0)
-    lo = (lo.to(tl.float32)
-          + row_lora_term(a, *lora, col + offs_d, d_mask, *strides, BLOCK_R)).to(lo.dtype)
-    hi = (hi.to(tl.float32)
-          + row_lora_term(a, *lora, col + half + offs_d, d_mask, *strides, BLOCK_R)
-          ).to(lo.dtype)
+    lo = (lo.to(tl.float32) + row_lora_term(a, *lora, col + offs_d, d_mask, *strides,
+                                            max_rank, BLOCK_R)).to(lo.dtype)
+    hi = (hi.to(tl.float32) + row_lora_term(a, *lora, col + half + offs_d, d_mask, *strides,
+                                            max_rank, BLOCK_R)).to(lo.dtype)
     return lo, hi
 
 
@@ -142,7 +141,7 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
             h = p * GROUP + i
             if h < heads:
                 lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half, a,
-                                         slot, rank, scale, *b, BLOCK_R)
+                                         slot, rank, scale, *b, max_rank, BLOCK_R)
                 lo, hi = rotate_halves(lo, hi, cos, sin)
                 out = q_ptr + t * stride_q + h * 2 * half + offs_d
                 tl.store(out, lo, mask=d_mask)
@@ -155,14 +154,14 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
             j = (p - q_programs) * GROUP + i
             if j < kv_heads:
                 lo, hi = _head_with_lora(qkv_ptr, row, (heads + j) * 2 * half, offs_d, d_mask,
-                                         half, a, slot, rank, scale, *b, BLOCK_R)
+                                         half, a, slot, rank, scale, *b, max_rank, BLOCK_R)
                 lo, hi = rotate_halves(lo, hi, cos, sin)
                 out = k_ptr + cache_slot * stride_k + j * 2 * half + offs_d
                 tl.store(out, lo, mask=d_mask)
                 tl.store(out + half, hi, mask=d_mask)
                 v_lo, v_hi = _head_with_lora(qkv_ptr, row, (heads + kv_heads + j) * 2 * half,
                                              offs_d, d_mask, half, a_v, slot, rank_v, scale_v,
-                                             *b, BLOCK_R)
+                                             *b, max_rank, BLOCK_R)
                 dst = v_ptr + cache_slot * stride_v + j * 2 * half + offs_d
                 tl.store(dst, v_lo, mask=d_mask)
                 tl.store(dst + half, v_hi, mask=d_mask)

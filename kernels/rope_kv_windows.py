@@ -45,13 +45,15 @@ def _row_slice(a_ptr, rows, m_mask, slots, ranks_ptr, scal_ptr, sl, max_rank, st
 
 @triton.jit
 def _slice_dots(a, rank, b_ptr, stride_bs, stride_bn, stride_br, cur, mine, col, half,
-                offs_d, d_mask, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                offs_d, d_mask, max_rank, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Slot ``cur``'s unscaled ``round(a) @ B^T`` for rows ``mine`` (zero elsewhere) at the lo
     and hi halves of the head at column ``col``."""
     offs_r = tl.arange(0, BLOCK_R)
     r = tl.max(tl.where(mine, rank, 0), 0)
     b = b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-    b_mask = (offs_r < r)[:, None] & d_mask[None, :]
+    # B read up to max_rank (vectorizable; ``a`` is zero past each row's rank, B's columns
+    # there finite by LoRAWeights' contract); nothing for rank 0 (the neutral slot has no B).
+    b_mask = tl.where(r > 0, offs_r < max_rank, False)[:, None] & d_mask[None, :]
     b_lo = tl.load(b + (col + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
     b_hi = tl.load(b + (col + half + offs_d)[None, :] * stride_bn, mask=b_mask, other=0.0)
     a = tl.where(mine[:, None], a, 0.0).to(b_lo.dtype)
@@ -61,8 +63,9 @@ def _slice_dots(a, rank, b_ptr, stride_bs, stride_bn, stride_br, cur, mine, col,
 
 @triton.jit
 def _window_terms(a0, r0, a1, r1, b_ptr, stride_bs, stride_bn, stride_br, sentinel, slots,
-                  col0, col1, half, offs_d, d_mask, BOTH: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                  col0, col1, half, offs_d, d_mask, max_rank, BOTH: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Unscaled (lo, hi) of one slice's term at the head at ``col0`` and, with ``BOTH``, of
     another's at ``col1``: one pass over the window's distinct slots, each step's B tiles
     loaded together. A row's sum holds its own slot's dot plus exact zeros, so scaling it
@@ -73,13 +76,13 @@ def _window_terms(a0, r0, a1, r1, b_ptr, stride_bs, stride_bn, stride_br, sentin
     cur = tl.min(slots, 0)
     while cur < sentinel:
         mine = slots == cur
-        t_lo, t_hi = _slice_dots(a0, r0, *b, cur, mine, col0, half, offs_d, d_mask, BLOCK_R,
-                                 PRECISION)
+        t_lo, t_hi = _slice_dots(a0, r0, *b, cur, mine, col0, half, offs_d, d_mask, max_rank,
+                                 BLOCK_R, PRECISION)
         lo0 += t_lo
         hi0 += t_hi
         if BOTH:
             t_lo, t_hi = _slice_dots(a1, r1, *b, cur, mine, col1, half, offs_d, d_mask,
-                                     BLOCK_R, PRECISION)
+                                     max_rank, BLOCK_R, PRECISION)
             lo1 += t_lo
             hi1 += t_hi
         cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
@@ -136,7 +139,7 @@ def _rope_kv_lora_windows_kernel(
         lo, hi = _load_head(*head, col, half, offs_d, mask)
         a, rank, scale = _row_slice(*per_row, 0, *strides, BLOCK_R)
         t_lo, t_hi, _, _ = _window_terms(a, rank, a, rank, *walk, col, col, half, offs_d,
-                                         d_mask, False, BLOCK_M, BLOCK_HALF, BLOCK_R,
+                                         d_mask, max_rank, False, BLOCK_M, BLOCK_HALF, BLOCK_R,
                                          PRECISION)
         lo, hi = rotate_halves(*_add_term(lo, hi, t_lo, t_hi, scale), cos, sin)
         out = q_ptr + rows[:, None] * stride_q + col + offs_d[None, :]
@@ -152,8 +155,8 @@ def _rope_kv_lora_windows_kernel(
         a_k, rank_k, scale_k = _row_slice(*per_row, 1, *strides, BLOCK_R)
         a_v, rank_v, scale_v = _row_slice(*per_row, 2, *strides, BLOCK_R)
         tk_lo, tk_hi, tv_lo, tv_hi = _window_terms(a_k, rank_k, a_v, rank_v, *walk, k_col,
-                                                   v_col, half, offs_d, d_mask, True, BLOCK_M,
-                                                   BLOCK_HALF, BLOCK_R, PRECISION)
+                                                   v_col, half, offs_d, d_mask, max_rank, True,
+                                                   BLOCK_M, BLOCK_HALF, BLOCK_R, PRECISION)
         lo, hi = rotate_halves(*_add_term(k_lo, k_hi, tk_lo, tk_hi, scale_k), cos, sin)
         out = k_ptr + cache * stride_k + j * 2 * half + offs_d[None, :]
         tl.store(out, lo, mask=mask)

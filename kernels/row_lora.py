@@ -187,10 +187,13 @@ def _shrink_by_rank_chunks(x_row, a_slot, rank, K, stride_x, stride_ar, stride_a
 
 @triton.jit
 def row_lora_term(a, b_ptr, slot, rank, scale, offs_n, n_mask, stride_bs, stride_bn, stride_br,
-                  BLOCK_R: tl.constexpr):
+                  max_rank, BLOCK_R: tl.constexpr):
     """fp32 ``[BLOCK_N]``: ``scale * a @ B[slot, offs_n]^T`` (zero for rank 0)."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    # B read up to max_rank (a mask the compiler vectorizes; ``a`` is zero past the rank, B's
+    # columns there finite by LoRAWeights' contract); nothing for rank 0 (the neutral slot
+    # has no B).
+    r_mask = tl.where(rank > 0, offs_r < max_rank, False)  # not `&`: the interpreter rejects it
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn
                 + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
     return scale * tl.sum(b.to(tl.float32) * a[None, :], axis=1)

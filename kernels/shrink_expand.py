@@ -44,19 +44,19 @@ def _shrink_expand_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, COL_ALIGN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_base, idle = expand_program(
+    sl, n_lo, n_hi, slot, rows, m_mask, offs_r, r_mask, b_r_mask, b_base, idle = expand_program(
         perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr, slice_off_ptr,
-        lb_ptr, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, TILES,
-        COL_ALIGN)
+        lb_ptr, max_rank, stride_bs, stride_bn, stride_br, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+        TILES, COL_ALIGN)
     if idle:
         return
     a = shrink_rows(x_ptr, la_ptr, rows, m_mask, slot, sl * max_rank + offs_r, r_mask, K, 0, K,
                     stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
                     BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
     scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
-    b = load_b_tile(b_base, r_mask, n_lo, n_hi, stride_bn, BLOCK_N)
+    b = load_b_tile(b_base, b_r_mask, n_lo, n_hi, stride_bn, BLOCK_N)
     add_tiles(a.to(lb_ptr.dtype.element_ty), b, b_base, y_ptr + rows[:, None] * stride_ym, m_mask,
-              r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
+              b_r_mask, n_lo, n_hi, scale, stride_bn, stride_yn, BLOCK_N, TILES, PRECISION)
 
 
 @traced_op("multilora::shrink_expand", mutates_args=("y",))

@@ -79,11 +79,11 @@ def _silu_mul_lora_kernel(
         ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
         gate = tl.load(ptrs, mask=mask, other=0.0)
         up = tl.load(ptrs + inter, mask=mask, other=0.0)
-        gate = (gate.to(tl.float32) + lora_delta(a_g, *lora, offs, n_mask, 0, NUM_SLICES,
-                                                 BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
-                ).to(gate.dtype)
-        up = (up.to(tl.float32) + lora_delta(a_u, *lora, inter + offs, n_mask, 1, NUM_SLICES,
-                                             BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+        gate = (gate.to(tl.float32) + lora_delta(a_g, *lora, offs, n_mask, 0, max_rank,
+                                                 NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+                                                 PRECISION)).to(gate.dtype)
+        up = (up.to(tl.float32) + lora_delta(a_u, *lora, inter + offs, n_mask, 1, max_rank,
+                                             NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
               ).to(gate.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
@@ -115,10 +115,10 @@ def _silu_mul_lora_rows_kernel(
         up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
         gate = (gate.to(tl.float32) + row_lora_term(
             a_g, b_ptr, slot_g, rank_g, scale_g, offs, mask, stride_bs, stride_bn, stride_br,
-            BLOCK_R)).to(gate.dtype)
+            max_rank, BLOCK_R)).to(gate.dtype)
         up = (up.to(tl.float32) + row_lora_term(
             a_u, b_ptr, slot_u, rank_u, scale_u, inter + offs, mask, stride_bs, stride_bn,
-            stride_br, BLOCK_R)).to(gate.dtype)
+            stride_br, max_rank, BLOCK_R)).to(gate.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
         out = (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty)

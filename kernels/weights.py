@@ -6,6 +6,11 @@ at it, and every kernel exits on rank 0 before it reads weights, so no weight ro
 Ranks and scalings are per slice: an adapter may target q_proj and v_proj but not k_proj, or
 give slices different ranks (PEFT ``rank_pattern``); slice s of a slot uses rows
 ``[s * max_rank, s * max_rank + ranks[slot, s])`` of ``lora_a``.
+
+Hazard: kernels read a slot's B columns up to ``max_rank``, not its rank (a bound the compiler
+can vectorize), and multiply the ones past the rank by an ``a`` that is zero there. Those
+columns must hold finite values (0 * inf is NaN): the allocation and every slot write
+(``SlotWriter``) zero them.
 """
 
 from __future__ import annotations

@@ -260,6 +260,12 @@ MUTANTS = [
            (("    return sl, tl.multiple_of(n_lo, COL_ALIGN), tl.multiple_of(n_hi, COL_ALIGN)",
              "    return sl, n_lo, n_hi"),),
            ("tests/test_gpu_compile.py::test_the_expand_stores_y_in_16_byte_vectors",)),
+    Mutant("b_masked_by_slot_rank",
+           "the expand masks B by the slot's rank again (known only at run time: B loaded "
+           "2 bytes at a time)",
+           "kernels/expand.py",
+           (("    b_r_mask = offs_r < max_rank", "    b_r_mask = r_mask"),),
+           ("tests/test_gpu_compile.py::test_b_loads_are_16_byte_vectors_where_max_rank_allows",)),
     Mutant("one_launch_walks_one_tile",
            "the one-launch kernel's programs walk one output tile each (its shrink recomputed "
            "for every tile)",

@@ -146,3 +146,48 @@ def test_the_expand_stores_y_in_16_byte_vectors():
     assert stores(aligned) and all(".v4.b32" in st for st in stores(aligned)), stores(aligned)
     assert stores(unaligned) and all(st.endswith(".b16") for st in stores(unaligned)), \
         stores(unaligned)
+
+
+def _b_reading_launches(monkeypatch, max_rank: int) -> list[dict]:
+    """The expand and the by-rows SwiGLU (a pending term: the decode graphs' route) over a pool of ``max_rank`` whose slots' ranks are
+    below it (B's columns past them zero, as the slot writer leaves them); SwiGLU at a
+    width whose row tiles give each thread 8 columns or more."""
+    monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", dict.fromkeys(
+        ("rope", "silu_mul", "norm"), 10**9))
+    g = torch.Generator().manual_seed(max_rank)
+    inter = 1024
+    w = LoRAWeights.for_linear(3, HIDDEN, [inter, inter], max_rank, torch.float16, "cpu")
+    w.lora_a.copy_(torch.randn(w.lora_a.shape, generator=g) * HIDDEN**-0.5)
+    w.ranks[:3] = torch.tensor([[max_rank - 5] * 2, [3, 1], [max_rank, 2]], dtype=torch.int32)
+    for s, r in enumerate(w.ranks[:3].tolist()):
+        w.lora_b[s, :, :r[0]].normal_(generator=g)
+    w.scalings[:3] = 0.5
+    layout = SegmentLayout.from_plan(plan_segments([i % 4 for i in range(20)], block_m=16,
+                                                   skip_slot=3), "cpu")
+    x = torch.randn(20, HIDDEN, generator=g).half()
+    with recorded_launches(as_dtype={torch.float16: torch.bfloat16}) as launches:
+        a = lora_shrink(x, w, layout)
+        lora_expand(a, w, torch.randn(20, 2 * inter).half(), layout)
+        silu_mul(torch.randn(20, 2 * inter, generator=g).half(), PendingLoRA(a, w, layout))
+    return [x for x in launches
+            if x["name"] in ("_expand_kernel", "_silu_mul_lora_rows_kernel")]
+
+
+@pytest.mark.slow
+def test_b_loads_are_16_byte_vectors_where_max_rank_allows(monkeypatch):
+    """B is read up to the pool's ``max_rank`` (a bound the compiler is told is a multiple of
+    16) with ``a`` zeroed past each slot's rank: the expand and the by-rows consumers then move
+    B, like y and the activations, 8 bf16 at a time. Masked by the slot's rank (loaded at run
+    time) the compiler could prove nothing and read B 2 bytes at a time. Control: a
+    ``max_rank`` of 13 forces 2-byte loads of B."""
+    launches = _b_reading_launches(monkeypatch, 16) + _b_reading_launches(monkeypatch, 13)
+    assert len(launches) == 4, [x["name"] for x in launches]
+    ptx = compiled_ptx(launches)
+
+    def scalar_16_bit(p):
+        return re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)*\.(?:b16|u16)\b", p)
+
+    for launch, p in zip(launches[:2], ptx[:2], strict=True):
+        assert not scalar_16_bit(p), (launch["name"], scalar_16_bit(p))
+    for launch, p in zip(launches[2:], ptx[2:], strict=True):
+        assert scalar_16_bit(p), launch["name"]
