@@ -72,13 +72,32 @@ def shrink_split(
     return -(-k // k_per_split), k_per_split
 
 
-def expand_n_block(max_width: int, block_m: int, one_launch: bool = False) -> int:
+def expand_n_block(max_width: int, block_m: int, block_r: int, one_launch: bool = False) -> int:
     # 64 rows x 128 columns took 255 registers a thread while y's accesses were scalar; with
     # them vectorized (``LoRAWeights.column_align``) 126, and 128 columns beat 64 at prefill
     # (H200, T=2048, block_m 64: gate_up 72.5 against 85.8 us, o_proj 13.4 against 14.7).
     # The one-launch kernel keeps 64 for 64-row blocks (its shrink's registers; not re-measured).
-    cap = 64 if one_launch and block_m >= 64 else 128
+    # Decode blocks at rank block 16 take 64 columns over one warp (``expand_warps``).
+    cap = 64 if (one_launch and block_m >= 64) or _one_warp_tiles(block_m, block_r,
+                                                                   one_launch) else 128
     return max(16, min(cap, next_pow2(max_width)))
+
+
+def _one_warp_tiles(block_m: int, block_r: int, one_launch: bool) -> bool:
+    return block_m < 64 and block_r <= 16 and not one_launch
+
+
+def expand_warps(block_m: int, block_n: int, block_r: int, one_launch: bool = False) -> int:
+    """An expand program's warps. Decode blocks (16 rows) at rank block 16 take one warp for
+    their 16 x 64 tile: with B and y in 16-byte vectors a warp moves the tile in a few
+    instructions, and more programs fit beside each other. H200, expand alone in graphs, us,
+    128 columns over 4 warps (before) / 64 columns over 1 warp: gate_up T=16 8 adapters
+    6.98 / 5.80, qkv 3.62 / 3.45, o_proj 3.46 / 3.22, down 3.44 / 3.23, gate_up T=64 7.95 /
+    6.95, gate_up T=256 64 adapters 32.8 / 28.5, qkv 9.57 / 8.51; at rank 64 one warp lost
+    (gate_up T=64 15.2 / 18.5), so larger rank blocks keep ``num_warps``."""
+    if _one_warp_tiles(block_m, block_r, one_launch) and block_n <= 64:
+        return 1
+    return num_warps(block_m, block_n)
 
 
 def expand_tiles_per_program(

@@ -216,9 +216,11 @@ def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int, m
     """(groups, block_n, tiles, num_warps) of one launch (``one_launch``: of the shrink and
     expand in one kernel): a function of shapes only, so it is computed once per shape (its
     Python cost per eager launch was ~8 us on a slow host)."""
-    block_n = block_n or config.expand_n_block(max(slice_widths), block_m, one_launch)
+    block_r = config.rank_block(max_rank)
+    block_n = block_n or config.expand_n_block(max(slice_widths), block_m, block_r, one_launch)
     slice_tiles = [config.cdiv(w, block_n) for w in slice_widths]
-    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles), block_m,
-                                            config.rank_block(max_rank), device, tiles, one_launch)
+    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles), block_m, block_r,
+                                            device, tiles, one_launch)
     num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
-    return num_groups, block_n, tiles, num_warps or config.num_warps(block_m, block_n)
+    return num_groups, block_n, tiles, num_warps or config.expand_warps(block_m, block_n,
+                                                                          block_r, one_launch)

@@ -149,9 +149,10 @@ def test_the_expand_stores_y_in_16_byte_vectors():
 
 
 def _b_reading_launches(monkeypatch, max_rank: int) -> list[dict]:
-    """The expand and the by-rows SwiGLU (a pending term: the decode graphs' route) over a pool of ``max_rank`` whose slots' ranks are
-    below it (B's columns past them zero, as the slot writer leaves them); SwiGLU at a
-    width whose row tiles give each thread 8 columns or more."""
+    """The expand and the by-rows SwiGLU (a pending term: the decode graphs' route) over a
+    pool of ``max_rank`` whose slots' ranks are below it (B's columns past them zero, as the
+    slot writer leaves them); SwiGLU at a width whose row tiles give each thread 8 columns or
+    more."""
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS", dict.fromkeys(
         ("rope", "silu_mul", "norm"), 10**9))
     g = torch.Generator().manual_seed(max_rank)
