@@ -211,7 +211,8 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
         if config.pending_by_windows(qkv, "rope"):
             return rope_kv_lora_windows_op(qkv, positions, cos, sin, cache_loc, k_cache,
                                            v_cache, heads, *lora.block_args())
-        if not config.pending_by_rows(qkv, "rope", lora.weights.max_rank):
+        if not config.pending_by_rows(qkv, "rope", lora.weights.max_rank,
+                                      lora.weights.num_slots):
             # the separate expand, into a copy: qkv is an input
             return _rope_kv_op(lora.apply(qkv.clone()), positions, cos, sin, cache_loc,
                                k_cache, v_cache, heads)

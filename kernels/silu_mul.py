@@ -150,7 +150,7 @@ def silu_mul(gate_up: torch.Tensor,
                                       lora.layout.block_slots.shape[0]):
             return _silu_mul_lora_op(gate_up, *lora.block_args())
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
-    if config.row_epilogue(rows, "silu_mul"):
+    if config.row_epilogue(rows, "silu_mul", w.num_slots):
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
     return _silu_mul_lora_op(gate_up, *lora.block_args())
 

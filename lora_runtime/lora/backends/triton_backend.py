@@ -18,7 +18,8 @@ class TritonBackend(LoRABackend):
 
     def fuses_expand(self, x, weights, consumer):
         return self._route(("expand", consumer, x.shape[0], weights.max_rank),
-                           lambda: config.expand_in_consumer(x, consumer, weights.max_rank))
+                           lambda: config.expand_in_consumer(x, consumer, weights.max_rank,
+                                                             weights.num_slots))
 
     def shrinks_in_consumer(self, x, weights, consumer, rows=RowSet.TOKENS):
         def decide():
