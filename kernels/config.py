@@ -94,7 +94,9 @@ def expand_warps(block_m: int, block_n: int, block_r: int, one_launch: bool = Fa
     128 columns over 4 warps (before) / 64 columns over 1 warp: gate_up T=16 8 adapters
     6.98 / 5.80, qkv 3.62 / 3.45, o_proj 3.46 / 3.22, down 3.44 / 3.23, gate_up T=64 7.95 /
     6.95, gate_up T=256 64 adapters 32.8 / 28.5, qkv 9.57 / 8.51; at rank 64 one warp lost
-    (gate_up T=64 15.2 / 18.5), so larger rank blocks keep ``num_warps``."""
+    (gate_up T=64 15.2 / 18.5), so larger rank blocks keep ``num_warps``. Hazard: that sweep
+    launched its candidates without PDL; the kernel suite (PDL, after the GEMM) saw less:
+    gate_up T=16 7.0 / 6.8, T=64 7.9 / 7.5, T=256 64 adapters 32.5 / 30.2, the others equal."""
     if _one_warp_tiles(block_m, block_r, one_launch) and block_n <= 64:
         return 1
     return num_warps(block_m, block_n)
