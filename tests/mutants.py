@@ -266,6 +266,13 @@ MUTANTS = [
            "kernels/expand.py",
            (("    b_r_mask = offs_r < max_rank", "    b_r_mask = r_mask"),),
            ("tests/test_gpu_compile.py::test_b_loads_are_16_byte_vectors_where_max_rank_allows",)),
+    Mutant("pool_rule_dropped",
+           "RoPE and SwiGLU no longer take the term by rows when the pool has a slot a row "
+           "(64 adapters at bs 64: 30.2% over the base replay becomes 37.0%)",
+           "kernels/config.py",
+           (("        consumer != \"norm\" and rows <= min(num_slots, POOL_EPILOGUE_MAX_ROWS))",
+             "        False)"),),
+           ("tests/test_linear_schedule.py::test_a_pool_with_a_slot_a_row_takes_the_term_by_rows",)),
     Mutant("one_launch_walks_one_tile",
            "the one-launch kernel's programs walk one output tile each (its shrink recomputed "
            "for every tile)",
