@@ -206,7 +206,7 @@ MUTANTS = [
            "kernels/row_lora.py",
            (("                k_mask = offs_k < K\n",
              "                k_mask = offs_k < K + 16\n"),),
-           ("tests/test_fused_expand.py::test_norm_with_a_by_rows_term_matches_expand_then_norm"
+           ("tests/test_fused_expand.py::test_norm_with_a_term_matches_expand_then_norm"
             "[torch.float32-unshrunk]",)),
     Mutant("eager_layouts_reused_for_any_batch",
            "an eager batch reuses the layouts of any kept batch of the same block size",
