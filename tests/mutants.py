@@ -148,10 +148,10 @@ MUTANTS = [
     Mutant("idle_rank_keeps_local_metadata",
            "DP: a rank without local adapters (an idle one) keeps the previous local metadata",
            "lora_runtime/lora/backends/base.py",
-           (("        info = LoRABatchInfo(layouts[0]) if local else None\n"
-             "        logits = layouts[1] if local else None\n",
-             "        info = LoRABatchInfo(layouts[0]) if local else self.batch_info\n"
-             "        logits = layouts[1] if local else self.logits_info\n"),), DP_TESTS),
+           (("        self._set(None if rows is None else LoRABatchInfo(rows), logits, gathered)\n",
+             "        self._set(self.batch_info if rows is None else LoRABatchInfo(rows),\n"
+             "                  self.logits_info if logits is None else logits, gathered)\n"),),
+           DP_TESTS),
     Mutant("gathered_layers_read_local_metadata",
            "DP: the MLP's LoRA reads the rank-local layout instead of the gathered one",
            "lora_runtime/lora/backends/base.py",
