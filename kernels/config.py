@@ -44,6 +44,28 @@ def rank_block(max_rank: int) -> int:
     return max(16, next_pow2(max_rank))
 
 
+MERGED_SLICES_MIN_BLOCK_M = int(os.environ.get("MULTILORA_MERGED_SLICES_MIN_BLOCK_M", "64"))
+MERGED_SLICES_MAX_COLUMNS = 128
+"""A shrink whose layout has blocks of at least ``MERGED_SLICES_MIN_BLOCK_M`` rows (prefill)
+covers every slice of a module (qkv's three, gate_up's two) in one program while slices x
+``rank_block`` fit ``MERGED_SLICES_MAX_COLUMNS`` columns: the block's ``x`` is then read
+once, not once a slice. Decode blocks keep a program a slice (A, not ``x``, is their bytes;
+the slices spread it over more programs). Read at import; a huge value: never."""
+
+
+def merged_slices(block_m: int, num_slices: int, max_rank: int) -> bool:
+    return (num_slices > 1 and block_m >= MERGED_SLICES_MIN_BLOCK_M
+            and next_pow2(num_slices * max_rank) <= MERGED_SLICES_MAX_COLUMNS)
+
+
+def shrink_r_block(block_m: int, num_slices: int, max_rank: int) -> int:
+    """Columns of ``a`` a shrink program computes: one slice's rank block, or every slice's
+    (``merged_slices``)."""
+    if merged_slices(block_m, num_slices, max_rank):
+        return max(16, next_pow2(num_slices * max_rank))
+    return rank_block(max_rank)
+
+
 def shrink_k_block(block_r: int, k: int) -> int:
     # One stage of the A tile stays within 32 KB of shared memory.
     cap = 256 if block_r <= 32 else (128 if block_r <= 64 else 64)
@@ -165,6 +187,20 @@ the 8/16/64 pool 1.45 / 2.03x (kernels 3.7 -> 6.0 ms) and 2048 tokens r=16 1.24-
 
 def fused_expand(rows: int) -> bool:
     return rows >= FUSED_EXPAND_MIN_ROWS
+
+
+WIDE_BLOCKS_MIN_ROWS = int(os.environ.get("MULTILORA_WIDE_BLOCKS_MIN_ROWS", "256"))
+WIDE_BLOCK = (64, 128, 8)
+"""SwiGLU adds a pending term by blocks of ``WIDE_BLOCK`` = (rows, columns, warps) for
+forwards of at least ``WIDE_BLOCKS_MIN_ROWS`` rows (read at import; a huge value: never), by
+16-row blocks below. A block reads B's tile once per distinct slot it holds, so 16-row blocks
+read B once per 16 rows (as many bytes as the gate and up tiles they add it to) and run a
+chain of dependent loads (permutation, slots, ``a``, B) for little work; prefill segments are
+long, so 64-row blocks hold about one slot."""
+
+
+def wide_blocks(rows: int) -> bool:
+    return rows >= WIDE_BLOCKS_MIN_ROWS
 
 
 POOL_EPILOGUE_MAX_ROWS = int(os.environ.get("MULTILORA_POOL_EPILOGUE_MAX_ROWS", "64"))

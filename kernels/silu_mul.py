@@ -188,18 +188,21 @@ def _silu_mul_lora_op(
     out = _out(gate_up)
     rows, inter = out.shape
     if rows:
-        block_n = min(LORA_BLOCK_N, config.next_pow2(inter))
-        blocks, tiles = config.cdiv(rows, FUSE_BLOCK_M), config.cdiv(inter, block_n)
+        # An unshrunk term's windows are the layout's FUSE_BLOCK_M rows (its shrink's shape).
+        block_m, block_n, warps = (config.WIDE_BLOCK if not SHRINK and config.wide_blocks(rows)
+                                   else (FUSE_BLOCK_M, LORA_BLOCK_N, 4))
+        block_n = min(block_n, config.next_pow2(inter))
+        blocks, tiles = config.cdiv(rows, block_m), config.cdiv(inter, block_n)
         # A program that computes its block's shrink serves more columns with it.
         per_program = config.cdiv(tiles, config.block_shrink_groups(blocks, tiles)) if (
             SHRINK) else 1
         _silu_mul_lora_kernel[(blocks, config.cdiv(tiles, per_program))](
             gate_up, out, rows, src, b, perm, slots, ranks, scalings, la, inter,
             gate_up.stride(0), out.stride(0), max_rank, sentinel, s_sm, s_sr, s_bs, s_bn,
-            s_br, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=FUSE_BLOCK_M,
+            s_br, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_R=BLOCK_R, PRECISION=PRECISION, SHRINK=SHRINK,
             BLOCK_K=BLOCK_K, TILES=per_program,
-            num_warps=config.num_warps(FUSE_BLOCK_M, BLOCK_K) if SHRINK else 4)
+            num_warps=config.num_warps(FUSE_BLOCK_M, BLOCK_K) if SHRINK else warps)
     return out
 
 

@@ -30,7 +30,7 @@ def _fill(weights: LoRAWeights, draw_ranks, gen: torch.Generator) -> None:
 
 
 @st.composite
-def layouts(draw, num_slots: int, device, block_ms=(16, 32)):
+def layouts(draw, num_slots: int, device, block_ms=(16, 32, 64)):
     """(layout, token_slots): decode- or prefill-shaped requests over slots 0..num_slots
     (num_slots is the neutral slot), sometimes with empty blocks, sometimes in static buffers
     with neutral padding rows."""

@@ -57,7 +57,8 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     """The program shape ``epilogue`` names at every row count, eager or not (an eager
     forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``).
     "windows": RoPE's pending term by windows (``config.PENDING_WINDOWS_MIN_ROWS``), which
-    every other shape leaves off."""
+    every other shape leaves off; "blocks_wide": SwiGLU's by blocks of ``config.WIDE_BLOCK``
+    rows (several slots a block), which every other shape leaves off."""
     windows = epilogue == "windows"
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS",
                         EPILOGUES["blocks" if windows else epilogue.split("_")[0]])
@@ -66,6 +67,9 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
     blocks = epilogue == "unshrunk_blocks"
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
+    monkeypatch.setattr(config, "WIDE_BLOCKS_MIN_ROWS", 0 if epilogue == "blocks_wide" else 10**9)
+    # 32-row wide blocks: a draw's 1-40 rows then span one or two blocks of several slots.
+    monkeypatch.setattr(config, "WIDE_BLOCK", (32, *config.WIDE_BLOCK[1:]))
 
 
 def _tol_against_separate(dtype, epilogue: str, k: int) -> float:
@@ -143,12 +147,13 @@ def _layout(plan, rows: int, padded: int, slots: int):
     return static.view(padded)
 
 
-@pytest.mark.parametrize("epilogue", [*EPILOGUES, "unshrunk_blocks"])
+@pytest.mark.parametrize("epilogue", [*EPILOGUES, "unshrunk_blocks", "blocks_wide"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dtype, data, seed):
-    """Unshrunk by blocks: one column group a program or a group of several tiles."""
+    """Unshrunk by blocks: one column group a program or a group of several tiles. Wide
+    blocks: 64 rows of up to 40 requests' slots."""
     _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     monkeypatch.setattr(config, "BLOCK_SHRINK_PROGRAMS", data.draw(st.sampled_from([1, 10**9])))
