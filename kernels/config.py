@@ -190,7 +190,7 @@ def fused_expand(rows: int) -> bool:
 
 
 WIDE_BLOCKS_MIN_ROWS = int(os.environ.get("MULTILORA_WIDE_BLOCKS_MIN_ROWS", "256"))
-WIDE_BLOCK = (64, 128, 8)
+WIDE_BLOCK = (64, 64, 4)
 """SwiGLU adds a pending term by blocks of ``WIDE_BLOCK`` = (rows, columns, warps) for
 forwards of at least ``WIDE_BLOCKS_MIN_ROWS`` rows (read at import; a huge value: never), by
 16-row blocks below. A block reads B's tile once per distinct slot it holds, so 16-row blocks

@@ -37,7 +37,7 @@ def lora_linear(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, s
     """``base(x)`` plus the LoRA term, in ``schedule`` (default: ``schedule_for(x)``)."""
     schedule = schedule or schedule_for(x)
     if schedule == "beside":
-        a, y = run_beside(lambda: shrink(x), lambda: base(x), x.device, x.shape[0])
+        a, y = run_beside(lambda: shrink(x), lambda: base(x), x.device)
     elif schedule == "serial":
         y = base(x)
         a = shrink(x)

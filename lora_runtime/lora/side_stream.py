@@ -23,39 +23,32 @@ import torch
 S = TypeVar("S")
 M = TypeVar("M")
 
-_streams: dict[tuple[int, bool], torch.cuda.Stream] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
 ENABLED = os.environ.get("MULTILORA_SIDE_STREAM", "1") != "0"
 """``MULTILORA_SIDE_STREAM=0`` (read at import) turns the fork off: A/B runs, debugging."""
-HIGH_PRIORITY_MIN_ROWS = int(os.environ.get("MULTILORA_SIDE_HIGH_PRIORITY_MIN_ROWS", "65"))
-"""Forks of at least this many rows run their branch at the device's highest priority, fewer
-at normal priority (read at import). High priority lets the branch's blocks take SMs as the
-GEMM's retire, which a GEMM that fills the device needs, or the join waits on a branch still
-queued; a decode GEMM leaves SMs free, and there the branch's blocks taking SMs first only
-delays the GEMM. H200, 4 layers, 16 adapters, LoRA replay over base (six interleaved rounds,
-us, highest / normal priority): decode bs 16 120 / 106, bs 64 117 / 113, bs 256 120 / 223;
-prefill 256 tokens 208 / 163, 1024 tokens 228 / 426, 2048 tokens 613 / 837."""
 
 
-def _side_stream(device: torch.device, high: bool) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, high) not in _streams:
-        # Out-of-range priorities are clamped to the device's highest.
-        _streams[index, high] = torch.cuda.Stream(device=index, priority=-100 if high else 0)
-    return _streams[index, high]
+    if index not in _streams:
+        # Highest priority: the side branch is short and the join waits for it, so its blocks
+        # should take SMs as the main branch's blocks retire. (Out-of-range priorities are
+        # clamped to the device's highest.)
+        _streams[index] = torch.cuda.Stream(device=index, priority=-100)
+    return _streams[index]
 
 
 def forking(device: torch.device) -> bool:
     return ENABLED and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def run_beside(side: Callable[[], S], main: Callable[[], M], device: torch.device,
-               rows: int) -> tuple[S, M]:
-    """``(side(), main())``; under a CUDA graph capture the two run as parallel branches
-    (``rows``: the forward's, which pick the branch's priority)."""
+def run_beside(side: Callable[[], S], main: Callable[[], M],
+               device: torch.device) -> tuple[S, M]:
+    """``(side(), main())``; under a CUDA graph capture the two run as parallel branches."""
     if not forking(device):
         return side(), main()
     current = torch.cuda.current_stream(device)
-    branch = _side_stream(device, rows >= HIGH_PRIORITY_MIN_ROWS)
+    branch = _side_stream(device)
     branch.wait_stream(current)
     with torch.cuda.stream(branch):
         side_out = side()
