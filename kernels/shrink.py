@@ -55,37 +55,21 @@ def _shrink_kernel(
     stride_om, stride_or,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
-    """``MERGED``: a program covers every slice (``BLOCK_R`` spans slices x ``max_rank``
-    columns), so a block's ``x`` is read once, not once a slice."""
     blk = tl.program_id(0)
+    sl = tl.program_id(1)
     split = tl.program_id(2)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
                                            blk, BLOCK_M)
-    if MERGED:
-        a_rows = tl.arange(0, BLOCK_R)
-        a_sl = a_rows // max_rank
-        in_range = a_rows < NUM_SLICES * max_rank
-        rank = tl.load(ranks_ptr + slot * NUM_SLICES + a_sl, mask=in_range, other=0)
-        r_mask = (a_rows - a_sl * max_rank) < rank
-        # A's rows past a slot's rank are read (a mask the compiler vectorizes) and their
-        # columns of ``acc`` never stored: whatever they hold stays there.
-        load_mask = in_range
-        if (tl.max(rank, 0) == 0) | empty:
-            return
-    else:
-        sl = tl.program_id(1)
-        rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
-        if (rank == 0) | empty:
-            return
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        load_mask = r_mask
-        a_rows = sl * max_rank + offs_r
-    acc = shrink_rows(x_ptr, a_ptr, rows, m_mask, slot, a_rows, load_mask, K,
-                      split * k_per_split, k_per_split, stride_xm, stride_xk, stride_as,
-                      stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
+    if (rank == 0) | empty:
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a_rows = sl * max_rank + offs_r
+    acc = shrink_rows(x_ptr, a_ptr, rows, m_mask, slot, a_rows, r_mask, K, split * k_per_split,
+                      k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+                      BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
     out = out_ptr + rows[:, None] * stride_om + a_rows[None, :] * stride_or
     mask = m_mask[:, None] & r_mask[None, :]
     if ATOMIC:
@@ -106,19 +90,18 @@ def _shrink_op(
     alloc = torch.zeros if splits > 1 or tail else torch.empty
     out = alloc(t, lora_a.shape[1] + tail, dtype=torch.float32, device=x.device)
     max_rank = lora_a.shape[1] // num_slices
-    merged = config.merged_slices(block_m, num_slices, max_rank)
-    grid = (block_slots.shape[0], 1 if merged else num_slices, splits)
+    grid = (block_slots.shape[0], num_slices, splits)
     if t == 0 or grid[0] == 0:
         return out
+    block_r = config.rank_block(max_rank)
     _shrink_kernel[grid](
         x, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
         k, max_rank, k_per_split,
         *x.stride(),
         *lora_a.stride(),
         *out.stride(),
-        NUM_SLICES=num_slices, BLOCK_M=block_m,
-        BLOCK_R=config.shrink_r_block(block_m, num_slices, max_rank), BLOCK_K=block_k,
-        ATOMIC=splits > 1, PRECISION=config.dot_precision(x.dtype), MERGED=merged,
+        NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        ATOMIC=splits > 1, PRECISION=config.dot_precision(x.dtype),
         num_warps=num_warps,
     )
     return out
@@ -194,11 +177,10 @@ def _launch_shape(k: int, max_rank: int, num_blocks: int, num_slices: int, block
                   num_warps: int | None) -> tuple[int, int, int, int]:
     """(block_k, splits, k_per_split, num_warps) of one launch: a function of shapes only, so it
     is computed once per shape (an error is raised every time: lru_cache keeps no exception)."""
-    block_r = config.shrink_r_block(block_m, num_slices, max_rank)
+    block_r = config.rank_block(max_rank)
     block_k = block_k or config.shrink_k_block(block_r, k)
     check(block_k >= 16 and block_k & (block_k - 1) == 0,
           lambda: f"block_k must be a power of two >= 16, got {block_k}")
-    programs = num_blocks * (1 if config.merged_slices(block_m, num_slices, max_rank)
-                             else num_slices)
-    splits, k_per_split = config.shrink_split(k, block_k, programs, device, split_k)
+    splits, k_per_split = config.shrink_split(k, block_k, num_blocks * num_slices, device,
+                                              split_k)
     return block_k, splits, k_per_split, num_warps or config.num_warps(block_m, block_r)
