@@ -152,7 +152,8 @@ def silu_mul(gate_up: torch.Tensor,
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
     if config.row_epilogue(rows, "silu_mul", w.num_slots):
         return _silu_mul_lora_rows_op(gate_up, *lora.row_args())
-    return _silu_mul_lora_op(gate_up, *lora.block_args())
+    return _silu_mul_lora_op(gate_up, *lora.block_args(),
+                             config.wide_blocks(rows, lora.layout.block_m))
 
 
 def _out(gate_up: torch.Tensor) -> torch.Tensor:
@@ -183,13 +184,13 @@ def _silu_mul_lora_op(
     slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int,
     sentinel: int, s_sm: int, s_sr: int, s_bs: int, s_bn: int, s_br: int, la: torch.Tensor,
     K: int, s_as: int, s_ar: int, s_ak: int, NUM_SLICES: int, BLOCK_R: int, PRECISION: str,
-    SHRINK: bool, BLOCK_K: int,
+    SHRINK: bool, BLOCK_K: int, wide: bool = False,
 ) -> torch.Tensor:
     out = _out(gate_up)
     rows, inter = out.shape
     if rows:
         # An unshrunk term's windows are the layout's FUSE_BLOCK_M rows (its shrink's shape).
-        block_m, block_n, warps = (config.WIDE_BLOCK if not SHRINK and config.wide_blocks(rows)
+        block_m, block_n, warps = (config.WIDE_BLOCK if wide and not SHRINK
                                    else (FUSE_BLOCK_M, LORA_BLOCK_N, 4))
         block_n = min(block_n, config.next_pow2(inter))
         blocks, tiles = config.cdiv(rows, block_m), config.cdiv(inter, block_n)

@@ -67,7 +67,7 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
     blocks = epilogue == "unshrunk_blocks"
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
-    monkeypatch.setattr(config, "WIDE_BLOCKS_MIN_ROWS", 0 if epilogue == "blocks_wide" else 10**9)
+    monkeypatch.setattr(config, "wide_blocks", lambda rows, block_m: epilogue == "blocks_wide")
     # 32-row wide blocks: a draw's 1-40 rows then span one or two blocks of several slots.
     monkeypatch.setattr(config, "WIDE_BLOCK", (32, *config.WIDE_BLOCK[1:]))
 
@@ -170,6 +170,15 @@ def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dt
     gu = y.double().cpu() + lora_delta_f64(x, w, token_slots)
     ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert rel_err(got, ref) <= 4 * TOL[dtype]
+
+
+def test_wide_blocks_only_for_extend_layouts():
+    """Decode layouts (16-row blocks) of many adapters would put several slots in a wide
+    block; extend layouts (64-row blocks) of enough rows take them."""
+    at = config.WIDE_BLOCKS_MIN_ROWS
+    assert config.wide_blocks(at, 64)
+    assert not config.wide_blocks(at - 1, 64)
+    assert not config.wide_blocks(4 * at, 16)
 
 
 def _rope_f64(x, pos, cos, sin):
