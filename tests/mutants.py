@@ -273,6 +273,21 @@ MUTANTS = [
            (("        consumer != \"norm\" and rows <= min(num_slots, POOL_EPILOGUE_MAX_ROWS))",
              "        False)"),),
            ("tests/test_linear_schedule.py::test_a_pool_with_a_slot_a_row_takes_the_term_by_rows",)),
+    Mutant("wide_blocks_for_decode",
+           "SwiGLU takes wide blocks for decode layouts too (bs 256, 64 adapters: 1.33x the "
+           "base replay became 1.38x)",
+           "kernels/config.py",
+           (("    return rows >= WIDE_BLOCKS_MIN_ROWS and layout_block_m >= 64",
+             "    return rows >= WIDE_BLOCKS_MIN_ROWS"),),
+           ("tests/test_fused_expand.py::test_wide_blocks_only_for_extend_layouts",)),
+    Mutant("wide_blocks_skip_rows",
+           "SwiGLU's wide-block grid counts 16-row blocks of the 32-row tiles it launches: half "
+           "the rows never get their term or activation",
+           "kernels/silu_mul.py",
+           (("        blocks, tiles = config.cdiv(rows, block_m), config.cdiv(inter, block_n)",
+             "        blocks, tiles = config.cdiv(rows, 2 * block_m), "
+             "config.cdiv(inter, block_n)"),),
+           ("tests/test_fused_expand.py::test_fused_silu_mul_matches_expand_then_activation",)),
     Mutant("one_launch_walks_one_tile",
            "the one-launch kernel's programs walk one output tile each (its shrink recomputed "
            "for every tile)",
