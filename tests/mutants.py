@@ -281,7 +281,7 @@ MUTANTS = [
              "    return rows >= WIDE_BLOCKS_MIN_ROWS"),),
            ("tests/test_fused_expand.py::test_wide_blocks_only_for_extend_layouts",)),
     Mutant("wide_blocks_skip_rows",
-           "SwiGLU's wide-block grid counts 16-row blocks of the 32-row tiles it launches: half "
+           "SwiGLU's wide-block grid counts blocks of twice the rows its programs cover: half "
            "the rows never get their term or activation",
            "kernels/silu_mul.py",
            (("        blocks, tiles = config.cdiv(rows, block_m), config.cdiv(inter, block_n)",
