@@ -102,15 +102,15 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         "graph_steps": sum(s.graph for s in timeline), "steps": len(timeline),
         "warm_up_s": main.warm.seconds, "timed_compiles": _compiles(timeline),
         "slot_writes": writes, "slot_write_ms": main.slot_write_ms,
-        **{f"{mode}_step_ms_p50": _step_p50(timeline, mode) for mode in ("decode", "extend")},
+        **_step_split(timeline),
     }
     if base is not None:
-        base_wall = sorted(r[0] for r in base.runs)[len(base.runs) // 2]
+        base_wall, _, base_timeline, _, _ = sorted(base.runs, key=lambda r: r[0])[
+            len(base.runs) // 2]
         base_tps = sum(len(o) for o in base.passes[1]) / base_wall
         derived |= {"base_output_tokens_per_s": base_tps,
                     "pct_of_base": 100 * derived["output_tokens_per_s"] / base_tps,
-                    "base_decode_step_ms_p50": _step_p50(
-                        sorted(base.runs, key=lambda r: r[0])[len(base.runs) // 2][2], "decode")}
+                    **{f"base_{k}": v for k, v in _step_split(base_timeline).items()}}
     main.release()
     if base is not None:
         base.release()
@@ -218,6 +218,16 @@ def _step_p50(timeline, mode: str) -> float | None:
     return 1e3 * secs[len(secs) // 2] if secs else None
 
 
+def _step_split(timeline) -> dict:
+    """Per step mode (decode, extend): the median step and the pass's total time in steps of
+    that mode (ms). A LoRA case's and its base's totals say where its throughput went."""
+    out = {}
+    for mode in ("decode", "extend"):
+        out[f"{mode}_step_ms_p50"] = _step_p50(timeline, mode)
+        out[f"{mode}_ms_total"] = 1e3 * sum(s.seconds for s in timeline if s.mode == mode)
+    return out
+
+
 def _verify(passes, workload, margins) -> dict:
     """Every timed pass against the warm-up."""
     short = [i for p in passes[1:] for i, (o, w) in enumerate(zip(p, workload, strict=True))
@@ -258,7 +268,8 @@ def table(rows: list[dict]) -> str:
     from bench.table import fmt, render
 
     head = ["case", "tokens/s", "% of base", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-            "step p50 ms: decode/extend", "slot writes/pass (ms each)", "J/token", "status"]
+            "step p50 ms: decode/extend", "ms a pass over base: decode/extend",
+            "slot writes/pass (ms each)", "J/token", "status"]
     body = []
     for r in rows:
         d = r["derived"]
@@ -268,6 +279,14 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(d.get('tpot_p50_ms'), '.2f')} / {fmt(d.get('tpot_p99_ms'), '.2f')}",
                      f"{fmt(d.get('decode_step_ms_p50'), '.2f')} / "
                      f"{fmt(d.get('extend_step_ms_p50'), '.2f')}",
+                     f"{fmt(_over_base(d, 'decode'), '.1f')} / "
+                     f"{fmt(_over_base(d, 'extend'), '.1f')}",
                      f"{fmt(d.get('slot_writes'))} ({fmt(d.get('slot_write_ms'), '.2f')})",
                      fmt(d.get("joules_per_token"), ".3f"), r["verification"]["status"]])
     return render(head, body)
+
+
+def _over_base(d: dict, mode: str) -> float | None:
+    """A LoRA case's pass time in ``mode`` steps over its interleaved base's (ms)."""
+    mine, base = d.get(f"{mode}_ms_total"), d.get(f"base_{mode}_ms_total")
+    return None if mine is None or base is None else mine - base

@@ -161,6 +161,15 @@ def test_a_lora_throughput_case_interleaves_a_base_runtime(monkeypatch):
     assert d["pct_of_base"] == pytest.approx(
         100 * d["output_tokens_per_s"] / d["base_output_tokens_per_s"])
     assert d["output_tokens"] == 4 * 3 and row["stats"]["n"] == throughput_bench.TIMED_PASSES
+    # Where the pass went, for the case and its base: decode and extend steps, each within
+    # the pass's wall time, every step of the median pass counted once.
+    walls = {"": d["duration_s"], "base_": d["output_tokens"] / d["base_output_tokens_per_s"]}
+    for prefix, wall in walls.items():
+        steps = d[f"{prefix}decode_ms_total"] + d[f"{prefix}extend_ms_total"]
+        assert d[f"{prefix}decode_ms_total"] > 0 and d[f"{prefix}extend_ms_total"] > 0
+        assert d[f"{prefix}extend_step_ms_p50"] <= d[f"{prefix}extend_ms_total"]
+        assert steps <= 1e3 * wall
+    assert "ms a pass over base" in throughput_bench.table([row])
 
 
 def test_a_throughput_case_with_more_adapters_than_slots_counts_its_slot_writes(monkeypatch):
