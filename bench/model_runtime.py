@@ -29,12 +29,14 @@ class BenchRuntime:
 
     def __init__(self, step: str, preset: str, layers: int, context: int, adapters: int,
                  ranks: tuple[int, ...], backend: str, dtype: torch.dtype,
-                 batch_sizes: list[int], device: torch.device) -> None:
+                 batch_sizes: list[int], device: torch.device, live_batches: int = 1) -> None:
         self.config = config = PRESETS[preset](layers)
         self.device, self.context, self.step_kind = device, context, step
         self.model = LlamaForCausalLM.random(config, dtype, device)
-        # Room for one batch of each traffic (base, LoRA) at the largest batch size.
-        self.kv = KVCache(config, 2 * max(batch_sizes) * (context + 8) + 8, dtype, device)
+        # Room for ``live_batches`` batches of each traffic (base, LoRA) at the largest batch
+        # size, held at once.
+        self.kv = KVCache(config, 2 * live_batches * max(batch_sizes) * (context + 8) + 8, dtype,
+                          device)
         self.names: list[str] = []
         self.lora = None
         if adapters > 0:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import json
 import re
 import statistics
@@ -31,7 +30,6 @@ import kernels.config as config
 import kernels.expand
 import kernels.shrink
 import lora_runtime.lora.side_stream as side_stream
-from bench import model_runtime
 from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.table import render
@@ -133,7 +131,7 @@ class _Prepared:
         with knobs_of(variant):
             self.rt = BenchRuntime(args.step, args.preset, args.layers, args.context,
                                    args.adapters, tuple(args.rank), args.backend, args.dtype,
-                                   args.bs, device)
+                                   args.bs, device, live_batches=len(args.bs))
             self.batches = {bs: (self.rt.batch(bs, "lora", seed=bs)[0],
                                  self.rt.batch(bs, "base", seed=bs)[0]) for bs in args.bs}
             self.errors = {bs: self._verify(lb, args) for bs, (lb, _) in self.batches.items()}
@@ -165,13 +163,7 @@ class _Prepared:
 
 def run(args) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # Room for every batch size's two batches at once in each runtime's KV cache.
-    kv = model_runtime.KVCache
-    model_runtime.KVCache = functools.partial(_scaled_kv, kv, len(args.bs))
-    try:
-        prepared = [_Prepared(v, args, device) for v in args.variants]
-    finally:
-        model_runtime.KVCache = kv
+    prepared = [_Prepared(v, args, device) for v in args.variants]
     samples = {(p.variant.name, bs): ([], []) for p in prepared for bs in args.bs}
     for _ in range(args.rounds):
         for bs in args.bs:
@@ -194,10 +186,6 @@ def run(args) -> list[dict]:
                          "added_pct": 100 * statistics.median(added) / statistics.median(base),
                          "added_us_rounds": added, "max_rel_err_vs_eager": p.errors[bs]})
     return rows
-
-
-def _scaled_kv(kv_cls, factor: int, config_, max_tokens: int, *rest):
-    return kv_cls(config_, max_tokens * factor, *rest)
 
 
 def table(rows: list[dict]) -> str:
