@@ -33,6 +33,7 @@ import lora_runtime.lora.side_stream as side_stream
 from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.table import render
+from bench.timing import bench_time
 
 _CACHED = [f for module in (config, kernels.shrink, kernels.expand) for f in vars(module).values()
            if callable(getattr(f, "cache_clear", None))]
@@ -143,22 +144,10 @@ class _Prepared:
                                    "from the eager forward", args.layers)
 
     def time(self, batch, reps: int) -> float:
-        """Microseconds a replay of ``batch``'s graph (its static buffers refreshed first)."""
-        replay = self.rt.replay_only(batch)
-        replay()
-        if self.rt.device.type != "cuda":
-            import time
-            t = time.perf_counter()
-            for _ in range(reps):
-                replay()
-            return (time.perf_counter() - t) * 1e6 / reps
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        for _ in range(reps):
-            replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps
+        """Microseconds a replay of ``batch``'s graph (its static buffers refreshed first):
+        the median of ``reps`` replays."""
+        return bench_time(self.rt.replay_only(batch), device=self.rt.device, mode="events",
+                          warmup=1, reps=reps).median_us
 
 
 def run(args) -> list[dict]:
