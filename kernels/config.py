@@ -435,21 +435,22 @@ def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int, num_slots:
 
 DELTA_MAX_ROWS = {
     "norm": int(os.environ.get("MULTILORA_NORM_DELTA_MAX_ROWS", "2")),
+    "down": int(os.environ.get("MULTILORA_DOWN_DELTA_MAX_ROWS", "2")),
     "rope": int(os.environ.get("MULTILORA_ROPE_DELTA_MAX_ROWS", "2")),
     "silu_mul": int(os.environ.get("MULTILORA_SILU_DELTA_MAX_ROWS", "2")),
 }
-"""Inside a CUDA graph capture, forwards of at most this many rows compute their LoRA term
-beside the base GEMM into a float32 delta that the next kernel adds (read at import; -1:
-never): the residual add + RMSNorm after o_proj and down ("norm"), RoPE with the KV write
-after qkv ("rope"), SwiGLU's activation after gate_up ("silu_mul"). The expand then leaves
-the critical path after the GEMM. H200, full depth 8 adapters, LoRA decode replay minus base
-(us), all three off (by-rows consumers, separate o/down expands) / on: bs 1 446 / 185-190, bs 2
-415 (norm only at 1 row) / 293-298, bs 4 498 / 525, bs 8 658 / 860. From four rows the side
-branch (shrink, then expand) outlasts the GEMM beside it (docs/perf-notes.md)."""
+"""Inside a CUDA graph capture, forwards of at most this many rows compute their LoRA term beside
+the base GEMM into a float32 delta that the next kernel adds (read at import; -1: never): the
+residual add + RMSNorm after o_proj ("norm") and after down ("down"), RoPE with the KV write
+after qkv ("rope"), SwiGLU's activation after gate_up ("silu_mul"). The expand then leaves the
+critical path after the GEMM. H200, full depth 8 adapters, LoRA decode replay minus base (us),
+all three off (by-rows consumers, separate o/down expands) / on: bs 1 446 / 185-190, bs 2 415
+(norm only at 1 row) / 293-298, bs 4 498 / 525, bs 8 658 / 860. From four rows the side branch
+(shrink, then expand) outlasts the GEMM beside it (docs/perf-notes.md)."""
 
 
-def delta_beside(x: torch.Tensor, consumer: str) -> bool:
-    return (x.shape[0] <= DELTA_MAX_ROWS[consumer] and x.device.type == "cuda"
+def delta_beside(x: torch.Tensor, route: str) -> bool:
+    return (x.shape[0] <= DELTA_MAX_ROWS[route] and x.device.type == "cuda"
             and torch.cuda.is_current_stream_capturing())
 
 

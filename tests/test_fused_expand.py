@@ -373,6 +373,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "CONSUMER_SHRINK_MAX_ROWS", 10**9 * (epilogue == "unshrunk"))
     norm_calls = blocks_calls = windows = [1]
+    routes = set()  # the DELTA_MAX_ROWS keys the projections asked for
     if epilogue == "unshrunk":  # eager: every term computed by its consumer, no LoRA launch
         # SwiGLU's and the norm's by rows at decode (3 rows), by blocks at prefill (12 rows)
         monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: rows > 8)
@@ -386,7 +387,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
                                   when=shrinks)
         one_launch = _count_calls(monkeypatch, shrink_expand_module, "_shrink_expand_op")
     elif epilogue == "delta":  # every projection's term as a delta, added by the next kernel
-        monkeypatch.setattr(config, "delta_beside", lambda x, consumer: True)
+        monkeypatch.setattr(config, "delta_beside", lambda x, route: routes.add(route) or True)
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_op", delta_at=1)
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_op", delta_at=8)
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_op", delta_at=4)
@@ -428,4 +429,6 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     assert windows, "the norm (unshrunk) or RoPE (blocks) never took a term by windows"
     assert rope_calls, "RoPE with the qkv term never ran"
     assert norm_calls, "no norm added a LoRA term"
+    if epilogue == "delta":  # o_proj and down each under their own threshold
+        assert routes == {"rope", "norm", "silu_mul", "down"}, routes
     assert epilogue != "unshrunk" or not one_launch, "an eager LoRA term was launched"

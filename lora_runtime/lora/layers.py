@@ -67,7 +67,7 @@ class LinearWithLoRA(LoRALayer):
                                                   self.rows)
         return None
 
-    def _routed(self, x: torch.Tensor, consumer: str):
+    def _routed(self, x: torch.Tensor, consumer: str, delta_route: str):
         """``(output, term or None)`` by the routes every consumer shares, in order: the whole
         term left to ``consumer`` (``_unshrunk``), one launch (``_one_launch``), the term beside
         the GEMM (``_delta_beside``); None where none applies."""
@@ -75,7 +75,7 @@ class LinearWithLoRA(LoRALayer):
         if out is None:
             y = self._one_launch(x)
             out = None if y is None else (y, None)
-        return out if out is not None else self._delta_beside(x, consumer)
+        return out if out is not None else self._delta_beside(x, delta_route)
 
     def _unshrunk(self, x: torch.Tensor, consumer: str):
         """``(output, UnshrunkLoRA)`` where the backend leaves the whole LoRA term to
@@ -86,10 +86,11 @@ class LinearWithLoRA(LoRALayer):
                                                 self.rows)
         return None
 
-    def _delta_beside(self, x: torch.Tensor, consumer: str):
+    def _delta_beside(self, x: torch.Tensor, route: str):
         """``(output, LoRADelta)`` where the backend computes the LoRA term beside the GEMM
-        for ``consumer`` to add (``backend.expand_beside``), else None."""
-        if self.backend.expand_beside(x, consumer):
+        for the consumer to add (``backend.expand_beside``, by ``route``: a key of
+        ``config.DELTA_MAX_ROWS``), else None."""
+        if self.backend.expand_beside(x, route):
             return self.backend.linear_delta(self._base_call(), x.contiguous(), self.lora,
                                              self.rows)
         return None
@@ -106,6 +107,12 @@ class DeferredExpandLinear(LinearWithLoRA):
 
     consumer: str
 
+    @property
+    def delta_route(self) -> str:
+        """The key of ``config.DELTA_MAX_ROWS`` for this projection: its consumer's, unless
+        the projection's GEMM differs enough to warrant its own (down_proj)."""
+        return self.consumer
+
     def forward_deferred(self, x: torch.Tensor):
         """``(output, UnshrunkLoRA or PendingLoRA or LoRADelta or None)``: where the backend
         leaves the whole term to the consumer (``backend.shrinks_in_consumer``) it comes
@@ -113,7 +120,7 @@ class DeferredExpandLinear(LinearWithLoRA):
         delta, where it leaves the expand to the consumer (``backend.fuses_expand``) as a
         pending term, for the consumer to add; otherwise it is already in the output."""
         if self.lora_active:
-            out = self._routed(x, self.consumer)
+            out = self._routed(x, self.consumer, self.delta_route)
             if out is not None:
                 return out
             if self.backend.fuses_expand(x, self.lora, self.consumer):
@@ -135,6 +142,12 @@ class MLPRowLinearWithLoRA(RowLinearWithLoRA):
     reduce-scatter that sums the base layer's partial outputs, and is summed with them."""
 
     rows = RowSet.GATHERED
+
+    @property
+    def delta_route(self) -> str:
+        # Its GEMM (K = intermediate) is ~3.5x o_proj's: a side branch that outlasts
+        # o_proj's may still fit beside it.
+        return "down"
 
 
 class QKVLinearWithLoRA(DeferredExpandLinear):
