@@ -29,14 +29,15 @@ class BenchRuntime:
 
     def __init__(self, step: str, preset: str, layers: int, context: int, adapters: int,
                  ranks: tuple[int, ...], backend: str, dtype: torch.dtype,
-                 batch_sizes: list[int], device: torch.device, live_batches: int = 1) -> None:
+                 batch_sizes: list[int], device: torch.device,
+                 live_requests: int | None = None) -> None:
         self.config = config = PRESETS[preset](layers)
         self.device, self.context, self.step_kind = device, context, step
         self.model = LlamaForCausalLM.random(config, dtype, device)
-        # Room for ``live_batches`` batches of each traffic (base, LoRA) at the largest batch
-        # size, held at once.
-        self.kv = KVCache(config, 2 * live_batches * max(batch_sizes) * (context + 8) + 8, dtype,
-                          device)
+        # Room for ``live_requests`` requests of each traffic (base, LoRA) held at once
+        # (default: one batch of the largest size).
+        room = live_requests or max(batch_sizes)
+        self.kv = KVCache(config, 2 * room * (context + 8) + 8, dtype, device)
         self.names: list[str] = []
         self.lora = None
         if adapters > 0:

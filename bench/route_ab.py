@@ -132,7 +132,7 @@ class _Prepared:
         with knobs_of(variant):
             self.rt = BenchRuntime(args.step, args.preset, args.layers, args.context,
                                    args.adapters, tuple(args.rank), args.backend, args.dtype,
-                                   args.bs, device, live_batches=len(args.bs))
+                                   args.bs, device, live_requests=sum(args.bs))
             self.batches = {bs: (self.rt.batch(bs, "lora", seed=bs)[0],
                                  self.rt.batch(bs, "base", seed=bs)[0]) for bs in args.bs}
             self.errors = {bs: self._verify(lb, args) for bs, (lb, _) in self.batches.items()}

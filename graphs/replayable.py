@@ -14,6 +14,8 @@ import gc
 from collections.abc import Callable
 
 import torch
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
@@ -60,7 +62,11 @@ class CudaGraph(Replayable):
 
 class TracedGraph(Replayable):
     def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
-        self.module = make_fx(fn)()
+        # make_fx records each node's metadata through a fake mode: without an ambient one it
+        # builds a new FakeTensorMode per value, each capturing a Python stack trace (half of
+        # a trace's time). One mode for the whole trace; the traced ops are unchanged.
+        with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+            self.module = make_fx(fn)()
 
     def replay(self) -> torch.Tensor:
         # Like a CUDA graph replay, a traced replay is not part of any autograd history.

@@ -366,7 +366,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", action="append", default=[], help="run these mutants only")
     p.add_argument("--list", action="store_true")
-    p.add_argument("--scale", type=float, default=0.25, help="schedule budget per run")
+    p.add_argument("--scale", type=float, default=0.4, help="schedule budget per run")
     p.add_argument("--timeout", type=int, default=900)
     args = p.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]

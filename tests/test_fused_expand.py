@@ -38,7 +38,7 @@ from kernels.silu_mul import silu_mul
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
 
-EXAMPLES = kernel_examples(gpu=25, cpu=8)
+EXAMPLES = kernel_examples(gpu=25, cpu=6)
 CONSUMERS = ("rope", "silu_mul", "norm")
 EPILOGUES = {"rows": dict.fromkeys(CONSUMERS, 10**9),
              "blocks": dict.fromkeys(CONSUMERS, -1),

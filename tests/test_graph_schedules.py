@@ -25,7 +25,7 @@ from lora_runtime.engine.requests import Request, build_decode, build_extend, re
 # (examples, steps per example): thousands of steps on the torch backend; the Triton
 # interpreter is ~100x slower on CPU, so it gets fewer (the GPU runs many more).
 BUDGET = {
-    "torch": (80, 50) if not ON_GPU else (40, 40),
+    "torch": (50, 50) if not ON_GPU else (40, 40),
     "triton": (4, 20) if not ON_GPU else (30, 40),
 }
 SCALE = float(os.environ.get("SCHEDULE_SCALE", "1"))
