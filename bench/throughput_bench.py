@@ -6,7 +6,8 @@ Each case serves its workload on its runtime with captured decode and prefill gr
 buckets by token count up to the step's budget, continuations of chunked prompts included):
 the engine's warm-up, an untimed pass, then ``TIMED_PASSES`` timed passes. A LoRA case builds
 a runtime without LoRA beside it (same weights) and interleaves its passes with the case's,
-so ``pct_of_base`` compares passes made under the same conditions. Verification: every
+so ``pct_of_base`` compares passes made under the same conditions: the median over the
+timed passes of a pass's tokens/s as a % of its base pass's just before it. Verification: every
 request produced all its tokens, and every timed pass repeats the untimed pass's tokens
 (greedy, same schedule: a replay that read stale metadata after the slot churn of the first
 pass would change them) up to a near-tie: a request may diverge only at a token whose top-2
@@ -41,7 +42,7 @@ TIE = 0.125
 SLOTS = 16
 """Adapter slots of a LoRA runtime (``max_loras_per_batch``): a workload with more adapters
 moves them in and out of slots while it runs, and a decode batch holds at most this many."""
-TIMED_PASSES = 3
+TIMED_PASSES = 5
 """Timed passes per case (one pass is 0.2-0.8 s on the H200: single passes swung by up to
 50% between similar cases); the row reports the median pass, its samples every pass."""
 
@@ -108,8 +109,9 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         base_wall, _, base_timeline, _, _ = sorted(base.runs, key=lambda r: r[0])[
             len(base.runs) // 2]
         base_tps = sum(len(o) for o in base.passes[1]) / base_wall
+        pairs = _paired_pct(main, base)
         derived |= {"base_output_tokens_per_s": base_tps,
-                    "pct_of_base": 100 * derived["output_tokens_per_s"] / base_tps,
+                    "pct_of_base": statistics.median(pairs), "pct_of_base_pairs": pairs,
                     **{f"base_{k}": v for k, v in _step_split(base_timeline).items()}}
     main.release()
     if base is not None:
@@ -117,6 +119,16 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
     return make_row(case, ctx.profile, {},
                     timing=Timing([r[0] * 1e6 for r in main.runs], "wall"),
                     derived=derived, telemetry=rec or None, verification=verification)
+
+
+def _paired_pct(main: _Runtime, base: _Runtime) -> list[float]:
+    """Tokens/s of each timed pass as % of its base pass just before it (the pairs the
+    interleaving made): the median of these is robust to a drift of the device or host
+    across the case, where the ratio of the two medians mixes passes minutes apart."""
+    def tps(rt: _Runtime) -> list[float]:
+        return [sum(len(o) for o in outs) / run[0]
+                for outs, run in zip(rt.passes[1:], rt.runs, strict=True)]
+    return [100 * m / b for m, b in zip(tps(main), tps(base), strict=True)]
 
 
 class _Runtime:
