@@ -22,11 +22,11 @@ from schedule_world import MAX_CONTEXT, SLOTS, World
 
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 
-# (examples, steps per example): thousands of steps on the torch backend; the Triton
-# interpreter is ~100x slower on CPU, so it gets fewer (the GPU runs many more).
+# (examples, steps per example): 2,500 steps on the torch backend; the Triton interpreter
+# is ~100x slower on CPU, so it gets fewer (the GPU runs many more).
 BUDGET = {
-    "torch": (50, 50) if not ON_GPU else (40, 40),
-    "triton": (4, 20) if not ON_GPU else (30, 40),
+    "torch": (50, 50),
+    "triton": (3, 20) if not ON_GPU else (30, 40),
 }
 SCALE = float(os.environ.get("SCHEDULE_SCALE", "1"))
 # Fault injection only needs to know that a schedule fails, not its smallest form.
