@@ -273,6 +273,13 @@ MUTANTS = [
            (("        consumer != \"norm\" and rows <= min(num_slots, POOL_EPILOGUE_MAX_ROWS))",
              "        False)"),),
            ("tests/test_linear_schedule.py::test_a_pool_with_a_slot_a_row_takes_the_term_by_rows",)),
+    Mutant("fork_any_rows",
+           "every captured forward forks the shrink beside its GEMM, prefills that fill the "
+           "device too",
+           "lora_runtime/lora/side_stream.py",
+           (("x.shape[0] <= config.FORK_MAX_ROWS", "x.shape[0] >= 0"),),
+           ("tests/test_linear_schedule.py::"
+            "test_a_capture_forks_only_forwards_up_to_the_fork_limit",)),
     Mutant("wide_blocks_for_decode",
            "SwiGLU takes wide blocks for decode layouts too (several slots a block: its slot "
            "loop runs longer)",

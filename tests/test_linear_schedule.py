@@ -301,3 +301,21 @@ def test_a_pool_with_a_slot_a_row_takes_the_term_by_rows(rows, consumer, num_slo
             or t)(torch.empty(rows, 8))
     assert seen[0][0] is want and config.row_epilogue(rows, consumer, num_slots) is want
     assert seen[0][1] or not want
+
+
+def test_a_capture_forks_only_forwards_up_to_the_fork_limit(monkeypatch):
+    """Beside the GEMM inside a capture, for at most ``config.FORK_MAX_ROWS`` rows; larger
+    forwards (GEMMs that fill the device), eager forwards and CPU tensors run in order."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(config, "FORK_MAX_ROWS", 64)
+
+    def rows(n, device="cuda"):
+        return SimpleNamespace(device=torch.device(device), shape=(n, 8))
+
+    assert [schedule_for(rows(n)) for n in (1, 64, 65, 4096)] == ["beside", "beside",
+                                                                  "serial", "serial"]
+    assert schedule_for(rows(1, "cpu")) == "serial"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert schedule_for(rows(1)) == "serial"

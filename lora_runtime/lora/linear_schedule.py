@@ -29,7 +29,7 @@ SCHEDULES = ("beside", "serial")
 
 
 def schedule_for(x: torch.Tensor) -> str:
-    return "beside" if forking(x.device) else "serial"
+    return "beside" if forking(x) else "serial"
 
 
 def lora_linear(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, shrink: Shrink,
@@ -37,7 +37,7 @@ def lora_linear(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, s
     """``base(x)`` plus the LoRA term, in ``schedule`` (default: ``schedule_for(x)``)."""
     schedule = schedule or schedule_for(x)
     if schedule == "beside":
-        a, y = run_beside(lambda: shrink(x), lambda: base(x), x.device)
+        a, y = run_beside(lambda: shrink(x), lambda: base(x), x)
     elif schedule == "serial":
         y = base(x)
         a = shrink(x)

@@ -5,7 +5,9 @@ While the current stream is capturing, ``run_beside`` forks a side stream from i
 returning: the captured graph gets two parallel branches and a join, and a replay runs them
 concurrently (the LoRA shrink next to the base GEMM it does not depend on). Outside a capture
 (eager, CPU, traced graphs) both run in order on the current stream: in eager the stream
-switches would cost more host time than the overlap saves.
+switches would cost more host time than the overlap saves. So do forwards of more than
+``config.FORK_MAX_ROWS`` rows, whose GEMMs fill the device: a branch beside them only takes
+SMs from them.
 
 Hazard (allocator): what ``side`` allocates belongs to the side stream. That is safe only
 because every fork first makes the side stream wait for the current one: a block freed after
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from kernels import config
 
 S = TypeVar("S")
 M = TypeVar("M")
@@ -38,15 +42,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _streams[index]
 
 
-def forking(device: torch.device) -> bool:
-    return ENABLED and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def forking(x: torch.Tensor) -> bool:
+    """Whether work on ``x`` (the rows of a forward) forks a branch beside the main stream."""
+    return (ENABLED and x.device.type == "cuda" and x.shape[0] <= config.FORK_MAX_ROWS
+            and torch.cuda.is_current_stream_capturing())
 
 
 def run_beside(side: Callable[[], S], main: Callable[[], M],
-               device: torch.device) -> tuple[S, M]:
-    """``(side(), main())``; under a CUDA graph capture the two run as parallel branches."""
-    if not forking(device):
+               x: torch.Tensor) -> tuple[S, M]:
+    """``(side(), main())`` for a forward of ``x``'s rows; where ``forking(x)`` (a CUDA graph
+    capture) the two run as parallel branches."""
+    if not forking(x):
         return side(), main()
+    device = x.device
     current = torch.cuda.current_stream(device)
     branch = _side_stream(device)
     branch.wait_stream(current)

@@ -156,7 +156,7 @@ class LoRABackend:
         from kernels.lora_epilogue import PendingLoRA
 
         layout = self._layout(rows, "linear")
-        a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x.device)
+        a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x)
         return y, PendingLoRA(a, weights, layout)
 
     def shrinks_in_consumer(self, x: torch.Tensor, weights: LoRAWeights, consumer: str,
@@ -195,7 +195,7 @@ class LoRABackend:
             self.expand(a, weights, delta, layout)
             return delta
 
-        delta, y = run_beside(side, lambda: base(x), x.device)
+        delta, y = run_beside(side, lambda: base(x), x)
         return y, LoRADelta(delta)
 
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
