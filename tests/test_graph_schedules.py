@@ -26,7 +26,7 @@ from lora_runtime.engine.requests import Request, build_decode, build_extend, re
 # is ~100x slower on CPU, so it gets fewer (the GPU runs many more).
 BUDGET = {
     "torch": (50, 50),
-    "triton": (3, 20) if not ON_GPU else (30, 40),
+    "triton": (2, 20) if not ON_GPU else (30, 40),
 }
 SCALE = float(os.environ.get("SCHEDULE_SCALE", "1"))
 # Fault injection only needs to know that a schedule fails, not its smallest form.
