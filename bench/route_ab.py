@@ -152,7 +152,16 @@ class _Prepared:
 
 def run(args) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    prepared = [_Prepared(v, args, device) for v in args.variants]
+    prepared = []
+    for v in args.variants:
+        try:
+            prepared.append(_Prepared(v, args, device))
+        except torch.OutOfMemoryError as e:
+            raise SystemExit(
+                f"route_ab: variant {v.name!r} ({len(prepared)} runtimes already built) does not "
+                f"fit in device memory: each variant holds its own model ({args.layers} layers) "
+                f"and a KV cache for every batch size ({sum(args.bs)} requests of each traffic)."
+                f" Pass fewer variants, fewer --layers or smaller --bs. ({e})") from None
     samples = {(p.variant.name, bs): ([], []) for p in prepared for bs in args.bs}
     for _ in range(args.rounds):
         for bs in args.bs:

@@ -4,6 +4,7 @@ variant's capture and restored after, and an A/B end to end on the CPU stand-in 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kernels.config as config
 import lora_runtime.lora.side_stream as side_stream
@@ -69,3 +70,15 @@ def test_an_ab_run_captures_each_variant_under_its_knobs(monkeypatch):
         assert r["lora_us"] > 0 and r["base_us"] > 0 and len(r["added_us_rounds"]) == 2
         assert r["max_rel_err_vs_eager"] < 1e-3
     assert "adds % of base" in route_ab.table(rows)
+
+
+def test_a_variant_that_does_not_fit_names_the_fix(monkeypatch):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.54 GiB")
+
+    monkeypatch.setattr(route_ab, "BenchRuntime", oom)
+    args = route_ab.parse_args(["--preset", "tiny", "--layers", "32", "--bs", "64,256",
+                                "--variant", "a", "--variant", "b", "--device", "cpu"])
+    with pytest.raises(SystemExit, match=r"variant 'a' .*32 layers.*320 requests.*fewer "
+                                         r"variants, fewer --layers or smaller --bs"):
+        route_ab.run(args)
