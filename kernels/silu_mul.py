@@ -77,20 +77,18 @@ def _silu_mul_lora_kernel(
         n_mask = offs < inter
         mask = m_mask[:, None] & n_mask[None, :]
         ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
-        # gate's half to its activation (kept in the model dtype) before up's is loaded:
-        # fewer [BLOCK_M, BLOCK_N] float32 tiles live at once (the kernel is register-bound).
         gate = tl.load(ptrs, mask=mask, other=0.0)
-        g = (gate.to(tl.float32) + lora_delta(a_g, *lora, offs, n_mask, 0, max_rank,
-                                              NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                                              PRECISION)).to(gate.dtype).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         up = tl.load(ptrs + inter, mask=mask, other=0.0)
+        gate = (gate.to(tl.float32) + lora_delta(a_g, *lora, offs, n_mask, 0, max_rank,
+                                                 NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+                                                 PRECISION)).to(gate.dtype)
         up = (up.to(tl.float32) + lora_delta(a_u, *lora, inter + offs, n_mask, 1, max_rank,
                                              NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
               ).to(gate.dtype)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :],
-                 (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+                 (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
