@@ -106,12 +106,8 @@ class DeferredExpandLinear(LinearWithLoRA):
     ``forward_deferred``."""
 
     consumer: str
-
-    @property
-    def delta_route(self) -> str:
-        """The key of ``config.DELTA_MAX_ROWS`` for this projection: its consumer's, unless
-        the projection's GEMM differs enough to warrant its own (down_proj)."""
-        return self.consumer
+    delta_route: str | None = None
+    """This projection's key of ``config.DELTA_MAX_ROWS`` (None: its consumer's)."""
 
     def forward_deferred(self, x: torch.Tensor):
         """``(output, UnshrunkLoRA or PendingLoRA or LoRADelta or None)``: where the backend
@@ -120,7 +116,7 @@ class DeferredExpandLinear(LinearWithLoRA):
         delta, where it leaves the expand to the consumer (``backend.fuses_expand``) as a
         pending term, for the consumer to add; otherwise it is already in the output."""
         if self.lora_active:
-            out = self._routed(x, self.consumer, self.delta_route)
+            out = self._routed(x, self.consumer, self.delta_route or self.consumer)
             if out is not None:
                 return out
             if self.backend.fuses_expand(x, self.lora, self.consumer):
@@ -142,12 +138,8 @@ class MLPRowLinearWithLoRA(RowLinearWithLoRA):
     reduce-scatter that sums the base layer's partial outputs, and is summed with them."""
 
     rows = RowSet.GATHERED
-
-    @property
-    def delta_route(self) -> str:
-        # Its GEMM (K = intermediate) is ~3.5x o_proj's: a side branch that outlasts
-        # o_proj's may still fit beside it.
-        return "down"
+    # Its GEMM (K = intermediate) is ~3.5x o_proj's: the two routes are measured apart.
+    delta_route = "down"
 
 
 class QKVLinearWithLoRA(DeferredExpandLinear):
