@@ -273,6 +273,13 @@ MUTANTS = [
            (("        consumer != \"norm\" and rows <= min(num_slots, POOL_EPILOGUE_MAX_ROWS))",
              "        False)"),),
            ("tests/test_linear_schedule.py::test_a_pool_with_a_slot_a_row_takes_the_term_by_rows",)),
+    Mutant("warm_up_past_positions",
+           "the warm-up's requests ignore the model's rotary table (one request takes a "
+           "whole step's tokens)",
+           "lora_runtime/engine/warm_up.py",
+           (("    cap = max_positions or kv_tokens", "    cap = kv_tokens"),),
+           ("tests/test_engine_limits.py::test_a_request_past_the_models_positions_is_refused",
+            "tests/test_warm_up.py::test_phases_fit_the_engine_and_span_its_limits")),
     Mutant("fork_any_rows",
            "every captured forward forks the shrink beside its GEMM, prefills that fill the "
            "device too",

@@ -6,6 +6,7 @@ the engine with a reason; workloads are what their spec says."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 from conftest import DEVICE
@@ -155,3 +156,21 @@ def test_serve_adds_requests_at_their_arrival_times(world):
     for r, spec in zip(reqs, wl, strict=True):
         assert r.metrics.arrival >= spec.arrival - 1e-9
         assert r.metrics.ttft is not None and r.metrics.ttft >= 0
+
+
+def test_a_request_past_the_models_positions_is_refused(world, monkeypatch):
+    """A request whose last position is past the rotary table would index past it (a device
+    assert on a GPU): refused up front, and the warm-up keeps its own requests inside it."""
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=30))
+    model = eng.runner.model
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config,
+                                                             max_position_embeddings=12))
+    with pytest.raises(ValueError, match=r"position 12 .* max_position_embeddings = 12"):
+        eng.add_request([1] * 10, None, max_new_tokens=4)
+    assert not eng.has_work
+    report = eng.warm_up([None])  # a 30-token step spread over requests of <= 12 positions
+    assert report.steps > 0 and not eng.has_work
+    ok = eng.add_request([1] * 10, None, max_new_tokens=3)
+    eng.run()
+    w.check_request(eng, ok)

@@ -18,20 +18,25 @@ from lora_runtime.engine.warm_up import ladder, warm_up_phases
 
 @settings(max_examples=200)
 @given(step=st.integers(1, 5000), batch=st.integers(1, 300), kv=st.integers(2, 30000),
-       adapters=st.lists(st.sampled_from(["a", "b", "c", None]), max_size=5))
-def test_phases_fit_the_engine_and_span_its_limits(step, batch, kv, adapters):
-    phases = warm_up_phases(step, batch, kv, adapters)
+       adapters=st.lists(st.sampled_from(["a", "b", "c", None]), max_size=5),
+       positions=st.one_of(st.none(), st.integers(2, 4096)))
+def test_phases_fit_the_engine_and_span_its_limits(step, batch, kv, adapters, positions):
+    phases = warm_up_phases(step, batch, kv, adapters, positions)
+    cap = positions or kv
     tokens, sizes = [], []
     for phase in phases:
         assert 1 <= len(phase) <= batch, "a phase's requests run together"
         assert all(1 <= r.prompt_len <= step for r in phase), "a prompt fits one step"
+        assert all(r.prompt_len + r.max_new_tokens - 1 <= cap for r in phase), \
+            "no request reaches past the model's positions"
         assert sum(r.prompt_len + r.max_new_tokens - 1 for r in phase) <= kv, "fits the cache"
         assert {r.adapter for r in phase} <= set(adapters or [None])
         if all(r.max_new_tokens == 1 for r in phase):
             tokens.append(sum(r.prompt_len for r in phase))
         else:
             sizes.append(len(phase))
-    assert tokens == ladder(min(step, kv)), "the token sweep: 1, 2, 4, ... up to the budget"
+    assert tokens == ladder(min(step, kv, batch * cap)), \
+        "the token sweep: 1, 2, 4, ... up to the budget"
     assert sizes == ladder(min(batch, kv // 2)), "the batch sweep: 1, 2, 4, ... up to the limit"
 
 

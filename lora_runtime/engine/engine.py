@@ -76,6 +76,13 @@ class Engine:
             loaded = [] if self.lora is None else sorted(self.lora.adapters)
             raise ValueError(f"unknown adapter {req.adapter!r} (loaded: {loaded}). Load it with "
                              "Engine.load_adapter first, or pass adapter=None for the base model")
+        positions = self.runner.model.config.max_position_embeddings
+        if req.kv_budget > positions:
+            raise ValueError(
+                f"the request reaches position {req.kv_budget - 1} (prompt {len(req.prompt)} + "
+                f"max_new_tokens {req.max_new_tokens} - 1 tokens) but the model has "
+                f"max_position_embeddings = {positions}. Shorten the prompt or lower "
+                "max_new_tokens")
         if req.kv_budget > self.kv.max_tokens:
             raise ValueError(
                 f"the request needs {req.kv_budget} KV-cache slots (prompt {len(req.prompt)} + "

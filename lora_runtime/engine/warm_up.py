@@ -60,18 +60,22 @@ def ladder(top: int) -> list[int]:
 
 
 def warm_up_phases(max_step_tokens: int, max_batch_size: int, kv_tokens: int,
-                   adapters: Sequence[str | None]) -> list[list[WarmUpRequest]]:
+                   adapters: Sequence[str | None], max_positions: int | None = None
+                   ) -> list[list[WarmUpRequest]]:
     """The phases (each a list of requests served to completion) for an engine whose steps
     take ``max_step_tokens`` tokens and ``max_batch_size`` requests, whose KV cache holds
-    ``kv_tokens``; ``adapters`` cycles over the requests (None: the base model)."""
+    ``kv_tokens``; ``adapters`` cycles over the requests (None: the base model). No request
+    reaches past ``max_positions`` positions (the model's rotary table): a step's tokens are
+    then spread over more requests."""
     cycle = list(adapters) or [None]
+    cap = max_positions or kv_tokens
     phases = []
-    for t in ladder(min(max_step_tokens, kv_tokens)):
-        k = min(t, len(cycle), max_batch_size)
+    for t in ladder(min(max_step_tokens, kv_tokens, max_batch_size * cap)):
+        k = min(t, max(len(cycle), -(-t // cap)), max_batch_size)
         lens = [t // k + (1 if i < t % k else 0) for i in range(k)]
-        phases.append([WarmUpRequest(n, 1, cycle[i]) for i, n in enumerate(lens)])
+        phases.append([WarmUpRequest(n, 1, cycle[i % len(cycle)]) for i, n in enumerate(lens)])
     for n in ladder(min(max_batch_size, kv_tokens // 2)):
-        prompt = max(1, min(BATCH_PROMPT, kv_tokens // n - 1, max_step_tokens))
+        prompt = max(1, min(BATCH_PROMPT, kv_tokens // n - 1, max_step_tokens, cap - 1))
         phases.append([WarmUpRequest(prompt, 2, cycle[i % len(cycle)]) for i in range(n)])
     return phases
 
@@ -99,7 +103,8 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     marks = len(engine.timeline), len(engine.finished)
     vocab = engine.runner.model.config.vocab_size
     phases = warm_up_phases(engine.config.max_step_tokens, engine.config.max_batch_size,
-                            engine.kv.max_tokens, adapters)
+                            engine.kv.max_tokens, adapters,
+                            engine.runner.model.config.max_position_embeddings)
     # Eagerly: a captured graph compiled its kernels at capture, and any step (under DP, a
     # step whose ranks disagree on the mode) may run eagerly.
     graphs, engine.graphs = engine.graphs, []
