@@ -10,8 +10,6 @@ attributed to the capture, not to any replay.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 try:
@@ -30,22 +28,53 @@ def _profiler_recording() -> bool:
         return False
 
 
-@contextlib.contextmanager
-def nvtx_range(name: str):
-    """A range named ``name``: NVTX on a GPU, a torch-profiler range while one records."""
-    cuda = torch.cuda.is_available()
-    if cuda and torch.cuda.is_current_stream_capturing():
-        yield
-        return
-    with contextlib.ExitStack() as stack:
+_cuda: bool | None = None
+
+
+def _cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked once (1-2 us a call; a step opens several ranges)."""
+    global _cuda
+    if _cuda is None:
+        _cuda = torch.cuda.is_available()
+    return _cuda
+
+
+class nvtx_range:  # noqa: N801 (used as a context manager, like a function)
+    """A range named ``name``: NVTX on a GPU, a torch-profiler range while one records. A
+    class, not a generator context manager: every serving step opens several (a few us each
+    as a generator with an ExitStack on the H200 host)."""
+
+    __slots__ = ("name", "_record", "_pushed")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._record = None
+        self._pushed = False
+
+    def __enter__(self) -> None:
+        cuda = _cuda_available()
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return
         if _profiler_recording():
-            stack.enter_context(torch.profiler.record_function(name))
-        if cuda and _nvtx is not None:
-            stack.enter_context(_nvtx.annotate(name, domain=DOMAIN))
-        elif cuda:
-            torch.cuda.nvtx.range_push(name)
-            stack.callback(torch.cuda.nvtx.range_pop)
-        yield
+            self._record = torch.profiler.record_function(self.name)
+            self._record.__enter__()
+        if cuda:
+            if _nvtx is not None:
+                _nvtx.push_range(self.name, domain=DOMAIN)
+            else:
+                torch.cuda.nvtx.range_push(self.name)
+            self._pushed = True
+
+    def __exit__(self, *exc) -> None:
+        if self._pushed:
+            self._pushed = False
+            if _nvtx is not None:
+                _nvtx.pop_range(domain=DOMAIN)
+            else:
+                torch.cuda.nvtx.range_pop()
+        if self._record is not None:
+            record, self._record = self._record, None
+            record.__exit__(*exc)
 
 
 def phase(name: str):

@@ -280,6 +280,19 @@ MUTANTS = [
            (("    cap = max_positions or kv_tokens", "    cap = kv_tokens"),),
            ("tests/test_engine_limits.py::test_a_request_past_the_models_positions_is_refused",
             "tests/test_warm_up.py::test_phases_fit_the_engine_and_span_its_limits")),
+    Mutant("plan_reused_across_slot_changes",
+           "a batch of the last batch's adapter names reuses its plan even after a slot "
+           "changed hands (a reloaded adapter is never moved into a slot)",
+           "lora_runtime/lora/manager.py",
+           (("last[:2] == (key, self.pool.version)", "last[0] == key"),),
+           ("tests/test_batch_state.py::"
+            "test_a_repeated_batch_reuses_its_plan_until_a_slot_changes",)),
+    Mutant("reused_plan_skips_lru",
+           "a reused plan does not touch its adapters: the LRU pool evicts one in steady use",
+           "lora_runtime/lora/manager.py",
+           (("            self.pool.touch(last[2])\n", ""),),
+           ("tests/test_batch_state.py::"
+            "test_a_repeated_batch_reuses_its_plan_until_a_slot_changes",)),
     Mutant("fork_any_rows",
            "every captured forward forks the shrink beside its GEMM, prefills that fill the "
            "device too",

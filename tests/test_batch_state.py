@@ -114,3 +114,41 @@ def test_stale_metadata_is_caught_not_computed_with(runner):
 
 def _forbidden(*args, **kwargs):
     raise AssertionError("LoRA ran where it must not")
+
+
+def test_a_repeated_batch_reuses_its_plan_until_a_slot_changes():
+    """Consecutive steps of an unchanged batch reuse the last plan (host time of every decode
+    step), still moving the LRU clock; once any slot changes hands, the same adapter names
+    are planned again: a reused plan would name the slot an adapter held before."""
+    runner = make_runtime(CFG, dtype=torch.float32, device=DEVICE, slots=2, max_rank=8)
+    lora = runner.lora
+    for i, name in enumerate("abc"):
+        lora.load_adapter(name, random_adapter(CFG, name, 4, ALL_TARGETS, seed=i))
+
+    def plan(*names):
+        reqs = [Request([1, 2], n) for n in names]
+        return lora.plan_lora_batch(build_extend(reqs, runner.kv, DEVICE)), reqs
+
+    def touch_b():  # b is used (pinned, then not) without any slot changing hands
+        lora.pin_adapter("b")
+        lora.pin_adapter("b", False)
+
+    touch_b()
+    first, reqs = plan("a", None)
+    again, more = plan("a", None)
+    assert again is first
+    touch_b()
+    assert plan("a", None)[0] is first  # reused: it must still make a more recent than b
+    lora.reset_lora_batch()
+    plan("c")
+    assert "b" not in lora.pool.slot_of and {"a", "c"} <= set(lora.pool.slot_of), \
+        "a reused plan must touch its adapters (b was the least recently used)"
+    lora.reset_lora_batch()
+    plan("a", None)
+    lora.reset_lora_batch()
+    lora.unload_adapter("a")  # its slot is released; a returns under the same name
+    lora.load_adapter("a", random_adapter(CFG, "a", 4, ALL_TARGETS, seed=7))
+    fresh, _ = plan("a", None)
+    assert "a" in lora.pool.slot_of
+    assert fresh.rows_spec.request_slots == (lora.pool.slot_of["a"], lora.neutral_slot)
+    release(reqs + more, runner.kv)

@@ -40,6 +40,8 @@ class LoRAManager:
         self.images: dict[str, SlotImage] = {}
         """Each loaded adapter packed for slot writes (``slot_image.py``)."""
         self._in_batch: set[str] = set()
+        self._last_plan: tuple | None = None
+        """(batch key, pool version, adapters, plan) of the last batch planned locally."""
         self.dp = model.dp
         """Set when the model's MLP is sharded for DP attention (its LoRA is sharded to match)."""
         self._wrap_modules()
@@ -66,14 +68,24 @@ class LoRAManager:
         Raises, changing nothing, when an adapter is unknown or they cannot all fit."""
         names = batch.adapter_names
         g = batch.gathered
-        everyone = names if g is None else [n for rank in g.adapters for n in rank]
-        unknown = sorted({n for n in everyone if n is not None and n not in self.adapters})
+        key = None if g is not None else (batch.mode, names, batch.extend_lens)
+        last = self._last_plan
+        if key is not None and last is not None and last[:2] == (key, self.pool.version):
+            # The previous batch again (decode steps of unchanged requests): its adapters hold
+            # the same slots, so its plan is this one's. The LRU clock still moves.
+            self.pool.touch(last[2])
+            self._in_batch = last[2]
+            return last[3]
+        used = set(names if g is None else [n for rank in g.adapters for n in rank])
+        used.discard(None)
+        unknown = used - self.adapters.keys()
         if unknown:
-            raise KeyError(f"the batch names adapters that are not loaded: {unknown}. Call "
-                           "LoRAManager.load_adapter(name, path) first")
+            raise KeyError(f"the batch names adapters that are not loaded: {sorted(unknown)}. "
+                           "Call LoRAManager.load_adapter(name, path) first")
         # Under DP every rank acquires the same union in the same order, so slots agree.
-        self._acquire({n for n in everyone if n is not None})
-        slots = [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
+        self._acquire(used)
+        slot_of = {None: self.neutral_slot, **self.pool.slot_of}
+        slots = [slot_of[n] for n in names]
         skip = self.neutral_slot
         if batch.mode is ForwardMode.IDLE:  # under DP: no local rows, in the step's layout
             step_mode = ForwardMode.DECODE if g is None else g.mode
@@ -87,7 +99,8 @@ class LoRAManager:
             rows = SegmentSpec(tuple(slots), tuple(batch.extend_lens), EXTEND_BLOCK_M, skip)
             logits = SegmentSpec(tuple(slots), None, LOGITS_BLOCK_M, skip)
         plan = LoRABatchPlan(rows, logits, None if g is None else self._gathered_spec(g))
-        self._in_batch = {n for n in everyone if n is not None}
+        self._in_batch = used
+        self._last_plan = None if key is None else (key, self.pool.version, used, plan)
         return plan
 
     def _gathered_spec(self, g: GatheredRows) -> SegmentSpec:

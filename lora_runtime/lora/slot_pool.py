@@ -18,6 +18,9 @@ class SlotPool:
         self.pinned: set[str] = set()
         self._last_use: dict[str, int] = {}
         self._clock = 0
+        self.version = 0
+        """Bumped by every change of ``slot_of`` (a plan of equal adapter names at the same
+        version gets the same slots)."""
 
     def plan(self, names: Iterable[str],
              protected: Iterable[str] = ()) -> list[tuple[int, str, str | None]]:
@@ -25,6 +28,8 @@ class SlotPool:
         evicting ``protected`` ones (a batch already prepared). Raises before changing
         anything when they cannot all fit."""
         wanted = set(names)
+        if len(wanted) <= self.num_slots and all(n in self.slot_of for n in wanted):
+            return []  # every step of a steady batch: all resident
         keep = wanted | set(protected) | self.pinned
         if len(wanted) > self.num_slots:
             raise SlotPoolError(
@@ -57,11 +62,13 @@ class SlotPool:
             del self.slot_of[old]
         self.owner[slot] = name
         self.slot_of[name] = slot
+        self.version += 1
 
     def release(self, name: str) -> int | None:
         slot = self.slot_of.pop(name, None)
         if slot is not None:
             self.owner[slot] = None
+            self.version += 1
         self._last_use.pop(name, None)
         self.pinned.discard(name)
         return slot
