@@ -12,6 +12,7 @@ Invariant: every block holds rows of exactly one slot, and unused blocks are emp
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,10 +30,21 @@ class SegmentPlan:
     seg_slots: list[int]
     blocks: list[tuple[int, int, int]]
     block_m: int
+    arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False,
+                                                         repr=False)
+    """``(token_slots, permutation)`` as int64 arrays where ``plan_segments`` built them:
+    ``_pack`` copies them at memory speed (converting 2,048 Python ints costs ~40 us on the
+    H200 host). Not carried over by ``dataclasses.replace`` unless given."""
 
     @property
     def num_rows(self) -> int:
         return len(self.token_slots)
+
+    def row_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.arrays is not None and len(self.arrays[0]) == len(self.token_slots):
+            return self.arrays
+        return (np.asarray(self.token_slots, dtype=np.int64),
+                np.asarray(self.permutation, dtype=np.int64))
 
 
 def max_blocks(num_rows: int, block_m: int, num_segments: int) -> int:
@@ -57,44 +69,61 @@ def plan_segments(
     """
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
-    # Vectorised: a prefill step plans thousands of rows, and Python loops over them cost
-    # ~1 ms on the H200 host, on the critical path of every LoRA extend step.
+    if request_lens is None:  # decode: one row a request, at most a few hundred
+        return _plan_rows([int(s) for s in request_slots], block_m, skip_slot)
+    return _plan_requests(request_slots, request_lens, block_m, skip_slot)
+
+
+def _plan_rows(slots: list[int], block_m: int, skip_slot: int | None) -> SegmentPlan:
+    """Decode: plain Python (numpy's per-call cost loses below a few hundred rows); this runs
+    whenever a decode batch changes, so no per-row Python beyond the sort."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    seg_bounds, seg_slots, blocks = [0], [], []
+    for slot, group in itertools.groupby(slots[i] for i in order):
+        lo = seg_bounds[-1]
+        hi = lo + sum(1 for _ in group)
+        seg_slots.append(slot)
+        seg_bounds.append(hi)
+        if slot != skip_slot:
+            blocks += [(slot, b, min(b + block_m, hi)) for b in range(lo, hi, block_m)]
+    return SegmentPlan(slots, order, seg_bounds, seg_slots, blocks, block_m)
+
+
+def _plan_requests(request_slots: Sequence[int], request_lens: Sequence[int], block_m: int,
+                   skip_slot: int | None) -> SegmentPlan:
+    """Prefill: vectorised, a step plans thousands of rows (Python loops over them cost
+    ~1 ms on the H200 host, on the critical path of every LoRA extend step)."""
     slots = np.asarray(request_slots, dtype=np.int64).reshape(-1)
+    lens = np.asarray(request_lens, dtype=np.int64).reshape(-1)
+    if len(lens) != len(slots):
+        raise ValueError(
+            f"request_lens has {len(lens)} entries but request_slots has {len(slots)}"
+        )
+    if len(lens) and lens.min() < 0:
+        raise ValueError(f"request length must be >= 0, got {lens.min()}")
     order = np.argsort(slots, kind="stable")
-    if request_lens is None:
-        lens = np.ones(len(slots), dtype=np.int64)
-        token_slots, permutation = slots, order
-    else:
-        lens = np.asarray(request_lens, dtype=np.int64).reshape(-1)
-        if len(lens) != len(slots):
-            raise ValueError(
-                f"request_lens has {len(lens)} entries but request_slots has {len(slots)}"
-            )
-        if len(lens) and lens.min() < 0:
-            raise ValueError(f"request length must be >= 0, got {lens.min()}")
-        token_slots = np.repeat(slots, lens)
-        # Row r of the permuted order is row (r - its request's first permuted row) of that
-        # request, counted from the request's first row in batch order.
-        sorted_lens = lens[order]
-        firsts = np.cumsum(lens) - lens
-        permuted_firsts = np.cumsum(sorted_lens) - sorted_lens
-        permutation = np.arange(int(lens.sum())) - np.repeat(permuted_firsts - firsts[order],
-                                                              sorted_lens)
-    # Segments: runs of one slot in the permuted order (requests of no rows add none).
+    token_slots = np.repeat(slots, lens)
+    # Row r of the permuted order is row (r - its request's first permuted row) of that
+    # request, counted from the request's first row in batch order.
     sorted_slots, sorted_lens = slots[order], lens[order]
+    firsts = np.cumsum(lens) - lens
+    permuted_firsts = np.cumsum(sorted_lens) - sorted_lens
+    permutation = np.arange(int(lens.sum())) - np.repeat(permuted_firsts - firsts[order],
+                                                          sorted_lens)
+    # Segments: runs of one slot in the permuted order (requests of no rows add none).
     live = sorted_lens > 0
     run_slots, run_lens = sorted_slots[live], sorted_lens[live]
     new_run = np.ones(len(run_slots), dtype=bool)
     new_run[1:] = run_slots[1:] != run_slots[:-1]
     seg_slots = run_slots[new_run].tolist()
-    seg_bounds = [0, *np.cumsum(run_lens)[np.append(new_run[1:], True)].tolist()] if len(
-        run_slots) else [0]
+    run_ends = np.append(new_run[1:], True)
+    seg_bounds = [0, *np.cumsum(run_lens)[run_ends].tolist()] if len(run_slots) else [0]
     blocks = []
     for slot, lo, hi in zip(seg_slots, seg_bounds, seg_bounds[1:], strict=False):
         if slot != skip_slot:
             blocks += [(slot, b, min(b + block_m, hi)) for b in range(lo, hi, block_m)]
-    token_slots, permutation = token_slots.tolist(), permutation.tolist()
-    return SegmentPlan(token_slots, permutation, seg_bounds, seg_slots, blocks, block_m)
+    return SegmentPlan(token_slots.tolist(), permutation.tolist(), seg_bounds, seg_slots, blocks,
+                       block_m, (token_slots, permutation))
 
 
 @dataclass(frozen=True)
@@ -189,8 +218,7 @@ def _pack(plan: SegmentPlan | None, rows: int, blocks: int, neutral_slot: int,
     out = np.empty(2 * rows + 3 * blocks, dtype=np.int32) if out is None else out
     slots, perm, tab = out[:rows], out[rows : 2 * rows], out[2 * rows :].reshape(3, blocks)
     if n:
-        slots[:n] = plan.token_slots
-        perm[:n] = plan.permutation
+        slots[:n], perm[:n] = plan.row_arrays()
     if used:
         tab[:, :used] = np.asarray(plan.blocks, dtype=np.int32).T
     slots[n:] = neutral_slot

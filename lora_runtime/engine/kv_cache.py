@@ -32,7 +32,10 @@ class KVCache:
         if n > len(self._free):
             raise RuntimeError(f"KV cache full: {n} slots requested, {len(self._free)} free. "
                                "Finish requests or build the runtime with a larger max_tokens")
-        out = [self._free.pop() for _ in range(n)]
+        free = self._free
+        cut = len(free) - n
+        out = free[cut:][::-1]  # the last n, last first: the order of n pops
+        del free[cut:]
         return out
 
     def free(self, slots: list[int]) -> None:

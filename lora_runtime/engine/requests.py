@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import numpy as np
-import torch
 
 from lora_runtime.engine.forward_batch import (
     DecodeAttention,
@@ -15,6 +13,7 @@ from lora_runtime.engine.forward_batch import (
     ForwardBatch,
     ForwardMode,
 )
+from lora_runtime.engine.host_copy import to_device
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.metrics import RequestMetrics
 from lora_runtime.engine.slots import SlotList
@@ -82,7 +81,7 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
                  limits: Sequence[int] | None = None) -> ForwardBatch:
     """The tokens of each request not yet in the cache (a prefill, or a continuation); with
     ``limits``, at most ``limits[i]`` of them for request ``i`` (a chunk of a long prompt)."""
-    ids, pos, loc, token_req, kv_idx, kv_req, kv_pos, lens = [], [], [], [], [], [], [], []
+    ids, loc, kv_idx, prefixes, lens = [], [], [], [], []
     for i, r in enumerate(reqs):
         prefix = len(r.kv_slots)
         new = (r.prompt[prefix:] + r.output) if prefix < len(r.prompt) \
@@ -94,22 +93,26 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
         slots = kv.alloc(len(new))
         r.kv_slots.extend(slots)
         ids += new
-        pos += range(prefix, prefix + len(new))
         loc += slots
-        token_req += [i] * len(new)
         kv_idx.append(r.kv_slots.array)  # concatenated (copied) below, before any change
-        kv_req += [i] * len(r.kv_slots)
-        kv_pos += range(len(r.kv_slots))
+        prefixes.append(prefix)
         lens.append(len(new))
-    ends = torch.tensor(lens).cumsum(0) - 1
+    n = np.asarray(lens, dtype=np.int64)
+    kv_lens = np.asarray([len(r.kv_slots) for r in reqs], dtype=np.int64)
+    q_starts = np.concatenate(([0], np.cumsum(n)))
+    kv_starts = np.concatenate(([0], np.cumsum(kv_lens)))
+    requests = np.arange(len(reqs), dtype=np.int64)
+    # Row j of request i sits at position prefix_i + j (its KV key j at position j).
+    pos = np.arange(q_starts[-1]) - np.repeat(q_starts[:-1] - np.asarray(prefixes, np.int64), n)
+    kv_pos = np.arange(kv_starts[-1]) - np.repeat(kv_starts[:-1], kv_lens)
     kv_table = np.concatenate(kv_idx) if kv_idx else np.zeros(0, dtype=np.int64)
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    starts = lambda x: torch.tensor(list(accumulate(x, initial=0)), dtype=torch.int32,  # noqa: E731
-                                    device=device)
+    (t_ids, t_pos, t_loc, t_ends, t_req, t_kv, t_kv_req, t_kv_pos, t_q, t_kvs) = to_device(
+        [np.asarray(ids, dtype=np.int64), pos, np.asarray(loc, dtype=np.int64), q_starts[1:] - 1,
+         np.repeat(requests, n), kv_table, np.repeat(requests, kv_lens), kv_pos,
+         q_starts.astype(np.int32), kv_starts.astype(np.int32)], device)
     return ForwardBatch(
-        ForwardMode.EXTEND, t(ids), t(pos), t(loc), ends.to(device),
-        ExtendAttention(t(token_req), torch.from_numpy(kv_table).to(device), t(kv_req), t(kv_pos),
-                        starts(lens), starts(len(r.kv_slots) for r in reqs)),
+        ForwardMode.EXTEND, t_ids, t_pos, t_loc, t_ends,
+        ExtendAttention(t_req, t_kv, t_kv_req, t_kv_pos, t_q, t_kvs),
         tuple(r.adapter for r in reqs), tuple(lens),
     )
 
@@ -124,18 +127,19 @@ def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
     for r, s in zip(reqs, slots, strict=True):
         r.kv_slots.append(s)
     bs = len(reqs)
-    lens = [len(r.kv_slots) for r in reqs]
+    lens = np.asarray([len(r.kv_slots) for r in reqs], dtype=np.int64)
     # The rows are 16-aligned in memory, the table as wide as the longest context: its row
     # stride is a kernel argument, and Triton compiles a variant per divisibility class of it
     # (a compile mid-serving stalls the step by ~1 s), while graphs pick buckets by its width.
-    width = max(lens, default=1)
+    width = int(lens.max()) if bs else 1
     table = np.full((bs, -(-width // 16) * 16), KVCache.SCRATCH, dtype=np.int64)
     for row, r, n in zip(table, reqs, lens, strict=True):
         row[:n] = r.kv_slots.array
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    ids, pos, loc, rows, t_table, t_lens = to_device(
+        [np.asarray([r.last_token for r in reqs], dtype=np.int64), lens - 1,
+         np.asarray(slots, dtype=np.int64), np.arange(bs, dtype=np.int64), table, lens], device)
     return ForwardBatch(
-        ForwardMode.DECODE, t([r.last_token for r in reqs]), t([n - 1 for n in lens]), t(slots),
-        t(list(range(bs))), DecodeAttention(torch.from_numpy(table).to(device)[:, :width], t(lens)),
+        ForwardMode.DECODE, ids, pos, loc, rows, DecodeAttention(t_table[:, :width], t_lens),
         tuple(r.adapter for r in reqs), (1,) * bs,
     )
 
