@@ -42,13 +42,13 @@ class EngineWorld:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.serial = 0
 
-    def engine(self, config: SchedulerConfig) -> Engine:
+    def engine(self, config: SchedulerConfig, overlap: bool = False) -> Engine:
         """A fresh engine over the world's runtime (cache empty, no adapter loaded)."""
         self.lora.reset_lora_batch()
         self.runner.kv.reset()
         for name in list(self.lora.adapters):
             self.lora.unload_adapter(name)
-        return Engine(self.runner, config, self.graphs, keep_logits=True)
+        return Engine(self.runner, config, self.graphs, keep_logits=True, overlap=overlap)
 
     def new_adapter(self, engine: Engine, pinned: bool = False) -> str:
         name = f"ad{self.serial}"

@@ -293,6 +293,14 @@ MUTANTS = [
            (("            self.pool.touch(last[2])\n", ""),),
            ("tests/test_batch_state.py::"
             "test_a_repeated_batch_reuses_its_plan_until_a_slot_changes",)),
+    Mutant("ahead_step_stale_tokens",
+           "a decode step run ahead (overlap) feeds placeholders, not the previous step's "
+           "tokens still on the device",
+           "lora_runtime/engine/requests.py",
+           (("    if pending is not None:\n        ids = pending.to(",
+             "    if False:\n        ids = pending.to("),),
+           ("tests/test_engine_overlap.py::"
+            "test_overlap_serves_the_same_tokens_and_frees_the_cache",)),
     Mutant("fork_any_rows",
            "every captured forward forks the shrink beside its GEMM, prefills that fill the "
            "device too",

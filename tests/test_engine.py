@@ -24,10 +24,11 @@ def world(request):
 
 def _serve(w: EngineWorld, data, config: SchedulerConfig, max_requests: int) -> dict:
     """Draws a workload and serves it, mutating adapters between steps; returns counters."""
-    eng = w.engine(config)
+    eng = w.engine(config, overlap=data.draw(st.booleans()))
     for _ in range(3):
         w.new_adapter(eng)
     reqs, steps, stats = [], 0, {"graph_steps": 0, "compared": 0}
+    every_third = tuple(range(0, w.config.vocab_size, 3))
     budget = 400
 
     def add():
@@ -36,7 +37,9 @@ def _serve(w: EngineWorld, data, config: SchedulerConfig, max_requests: int) -> 
         plen = data.draw(st.integers(1, 20))
         prompt = data.draw(st.lists(st.integers(0, w.config.vocab_size - 1), min_size=plen,
                                     max_size=plen))
-        reqs.append(eng.add_request(prompt, adapter, max_new_tokens=data.draw(st.integers(1, 6))))
+        stop = data.draw(st.sampled_from([(), (), every_third]))  # a third of tokens stop
+        reqs.append(eng.add_request(prompt, adapter, max_new_tokens=data.draw(st.integers(1, 6)),
+                                    stop_ids=stop))
 
     for _ in range(data.draw(st.integers(1, 4))):
         add()

@@ -5,6 +5,7 @@ requests, freeing their KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -35,16 +36,36 @@ class GraphReplayer(Protocol):
                variant: str | None = None) -> torch.Tensor: ...
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A forward on the device whose tokens the host has not read yet."""
+
+    plan: ScheduledStep
+    tokens: torch.Tensor
+    logits: torch.Tensor | None
+    """A copy of the logits, kept only with ``keep_logits``."""
+    replayed: GraphReplayer | None
+    start: float
+    jit: int | None
+    ahead: bool = False
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None,
                  graphs: Sequence[GraphReplayer] = (), *, keep_logits: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, overlap: bool = False) -> None:
         """``graphs``: captured graph runners, tried in order; a batch none fits runs eagerly.
-        ``keep_logits``: keep each request's logits row at every sampled token (tests)."""
+        ``keep_logits``: keep each request's logits row at every sampled token (tests).
+        ``overlap``: launch the next decode step before reading this one's tokens where the
+        next step is known to be a decode of the same requests (``_next_decode``), so the
+        host prepares step n+1 while the device runs step n."""
         self.runner, self.lora, self.kv = runner, runner.lora, runner.kv
         self.config = config or SchedulerConfig()
         self.graphs = list(graphs)
         self.keep_logits = keep_logits
+        self.overlap = overlap
+        self._inflight: _Launched | None = None
+        self._last_end: float | None = None
         self.clock = clock
         slots = self.lora.config.max_loras_per_batch if self.lora is not None else 1
         pinned = (lambda: set(self.lora.pool.pinned)) if self.lora is not None else set
@@ -96,7 +117,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self._inflight is not None or self.scheduler.has_work
 
     # -- adapters while serving -------------------------------------------------------------
     def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
@@ -132,7 +153,11 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
-        """Runs one forward; returns the (request, token) pairs it produced."""
+        """Runs one forward; returns the (request, token) pairs it produced. With ``overlap``
+        the forward may already be running (launched by the previous call), and the next
+        one may be launched before this one's tokens are read."""
+        if self.overlap:
+            return self._step_overlapped()
         start = self._start_step()
         plan = self.scheduler.schedule()
         if plan is None:
@@ -144,6 +169,50 @@ class Engine:
         produced = self._sample(plan, logits)
         self._record(plan, replayed, start)
         return produced
+
+    def _step_overlapped(self) -> list[tuple[Request, int]]:
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            start = self._start_step()
+            plan = self.scheduler.schedule()
+            if plan is None:
+                if self.scheduler.waiting:
+                    raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
+                return []
+            cur = self._launch(plan, self._build(plan), start)
+        ahead = self._next_decode(cur.plan)
+        if ahead is not None:
+            # Hazard: the next forward reuses the graph's static output; cur's tokens (and
+            # kept logits) were taken from it by kernels enqueued before this launch.
+            batch = build_decode(ahead.requests, self.kv, self.runner.device, cur.tokens)
+            self._inflight = dataclasses.replace(
+                self._launch(ahead, batch, self._start_step()), ahead=True)
+        tokens = cur.tokens.tolist()  # the one host sync of a step
+        produced = self._take(cur.plan, tokens, cur.logits)
+        self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead)
+        return produced
+
+    def _launch(self, plan: ScheduledStep, batch: ForwardBatch, start: float) -> _Launched:
+        jit = self._jit_at_start
+        logits, replayed = self.forward(batch)
+        kept = logits.clone() if self.keep_logits else None
+        return _Launched(plan, logits.argmax(-1), kept, replayed, start, jit)
+
+    def _next_decode(self, plan: ScheduledStep) -> ScheduledStep | None:
+        """The step after ``plan`` where it is sure to be a decode of the same requests: every
+        one needs a token after this step's, and none can be admitted beside them (nothing
+        waits, or the batch is full). A request that samples a stop token now has its row of
+        the next step discarded (its KV slot was freed with the request)."""
+        if plan.mode is not ForwardMode.DECODE:
+            return None
+        sched = self.scheduler
+        if sched.waiting and len(sched.running) < self.config.max_batch_size:
+            return None
+        if len(plan.requests) != len(sched.running):
+            return None
+        if any(len(r.output) + 1 >= r.max_new_tokens for r in plan.requests):
+            return None
+        return ScheduledStep(ForwardMode.DECODE, list(plan.requests), [1] * len(plan.requests))
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until every request is done (or ``max_steps``); returns the finished ones."""
@@ -184,9 +253,15 @@ class Engine:
 
     def _sample(self, plan: ScheduledStep, logits: torch.Tensor) -> list[tuple[Request, int]]:
         tokens = logits.argmax(-1).tolist()  # the one host sync of a step
+        return self._take(plan, tokens, logits)
+
+    def _take(self, plan: ScheduledStep, tokens: list[int],
+              logits: torch.Tensor | None) -> list[tuple[Request, int]]:
         now = self.clock()
         produced = []
         for i, (req, tok) in enumerate(zip(plan.requests, tokens, strict=True)):
+            if req.metrics.finish is not None:  # stopped while this step ran (overlap)
+                continue
             if req.prefilling:  # a chunk that did not reach the prompt's end samples nothing
                 continue
             req.output.append(tok)
@@ -208,16 +283,24 @@ class Engine:
         self._jit_at_start = jit_watch.count()
         return self.clock()
 
-    def _record(self, plan: ScheduledStep, replayed: GraphReplayer | None, start: float) -> None:
+    def _record(self, plan: ScheduledStep, replayed: GraphReplayer | None, start: float,
+                jit_at_start: int | None = None, ahead: bool = False) -> None:
         jit = jit_watch.count()
+        end = self.clock()
+        # Overlapped steps: a step's time runs from the later of its launch and the previous
+        # step's end, so the steps' seconds add up to the wall time.
+        begin = start if self._last_end is None or not self.overlap else max(start,
+                                                                             self._last_end)
+        self._last_end = end
+        at_start = self._jit_at_start if jit_at_start is None else jit_at_start
         self.timeline.append(StepRecord(
             index=len(self.timeline), mode=plan.mode.value, batch_size=len(plan.requests),
             tokens=plan.num_tokens, adapters=tuple(sorted(plan.adapters)),
             graph=replayed is not None,
             bucket=None if replayed is None else replayed.last_bucket,
             variant=None if replayed is None else replayed.last_kind,
-            start=start, seconds=self.clock() - start,
-            compiles=None if jit is None else jit - self._jit_at_start,
+            start=start, seconds=end - begin,
+            compiles=None if jit is None or at_start is None else jit - at_start, ahead=ahead,
         ))
 
     def _stuck_reason(self, req: Request) -> str:

@@ -46,7 +46,11 @@ class StepRecord:
     rows only) or ``base`` (None: eager)."""
     start: float
     seconds: float
-    """Host time of the step, forward and sampling included (device work synchronised)."""
+    """Host time of the step, forward and sampling included (device work synchronised). With
+    ``Engine(overlap=True)``: from the later of its launch and the previous step's end to its
+    tokens read, so a pass's steps add up to its wall time."""
     compiles: int | None = None
     """Triton kernel variants the step compiled (None: not observable, e.g. the interpreter).
     Nonzero after ``Engine.warm_up`` means a shape the warm-up did not reach."""
+    ahead: bool = False
+    """Launched before the previous step's tokens were read (``Engine(overlap=True)``)."""

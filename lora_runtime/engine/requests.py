@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from lora_runtime.engine.forward_batch import (
     DecodeAttention,
@@ -117,12 +118,18 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
     )
 
 
-def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
-    """One token per request: the last sampled one, not yet in the cache."""
+def build_decode(reqs: Sequence[Request], kv: KVCache, device,
+                 pending: torch.Tensor | None = None) -> ForwardBatch:
+    """One token per request: the last sampled one, not yet in the cache. ``pending``: the
+    step runs ahead of the one that samples its tokens (``Engine(overlap=True)``): request
+    i's last token is not in its output yet but is ``pending[i]``, on the device."""
+    ahead = 0 if pending is None else 1
+    if pending is not None and tuple(pending.shape) != (len(reqs),):
+        raise ValueError(f"pending has shape {tuple(pending.shape)}, expected ({len(reqs)},)")
     for i, r in enumerate(reqs):
-        if len(r.kv_slots) != r.num_tokens - 1:
-            raise ValueError(f"request {i} is not ready to decode: {r.num_tokens} tokens, "
-                             f"{len(r.kv_slots)} cached")
+        if len(r.kv_slots) != r.num_tokens - 1 + ahead:
+            raise ValueError(f"request {i} is not ready to decode: {r.num_tokens} tokens"
+                             f"{' and one pending' if ahead else ''}, {len(r.kv_slots)} cached")
     slots = kv.alloc(len(reqs))
     for r, s in zip(reqs, slots, strict=True):
         r.kv_slots.append(s)
@@ -135,9 +142,12 @@ def build_decode(reqs: Sequence[Request], kv: KVCache, device) -> ForwardBatch:
     table = np.full((bs, -(-width // 16) * 16), KVCache.SCRATCH, dtype=np.int64)
     for row, r, n in zip(table, reqs, lens, strict=True):
         row[:n] = r.kv_slots.array
+    last = np.asarray([0 if ahead else r.last_token for r in reqs], dtype=np.int64)
     ids, pos, loc, rows, t_table, t_lens = to_device(
-        [np.asarray([r.last_token for r in reqs], dtype=np.int64), lens - 1,
-         np.asarray(slots, dtype=np.int64), np.arange(bs, dtype=np.int64), table, lens], device)
+        [last, lens - 1, np.asarray(slots, dtype=np.int64), np.arange(bs, dtype=np.int64), table,
+         lens], device)
+    if pending is not None:
+        ids = pending.to(device=ids.device, dtype=torch.int64)
     return ForwardBatch(
         ForwardMode.DECODE, ids, pos, loc, rows, DecodeAttention(t_table[:, :width], t_lens),
         tuple(r.adapter for r in reqs), (1,) * bs,

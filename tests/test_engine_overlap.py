@@ -1,0 +1,65 @@
+"""``Engine(overlap=True)``: the next decode step launched before this one's tokens are read.
+The same workload served with and without overlap gives every request the same tokens and
+logits (stop tokens included: a request that stops has its row of the step run ahead
+discarded and its KV slots freed), the steps run ahead are counted, and a pass's step times
+add up to its wall time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from conftest import DEVICE
+from engine_world import EngineWorld
+
+from lora_runtime.engine import engine as engine_module
+from lora_runtime.engine.scheduler import SchedulerConfig
+
+
+def _serve(w: EngineWorld, overlap: bool):
+    eng = w.engine(SchedulerConfig(max_batch_size=3, max_step_tokens=16), overlap=overlap)
+    w.serial = 0  # the same adapters (names, weights) in both runs
+    names = [w.new_adapter(eng) for _ in range(2)]
+    g = torch.Generator().manual_seed(5)
+    stop = tuple(range(0, w.config.vocab_size, 6))
+    reqs = []
+    for i in range(7):
+        prompt = torch.randint(0, w.config.vocab_size, (2 + 3 * i % 7,), generator=g).tolist()
+        reqs.append(eng.add_request(prompt, ([None] + names)[i % 3], max_new_tokens=6 + i % 5,
+                                    stop_ids=stop if i % 2 else ()))
+    t0 = time.perf_counter()
+    eng.run()
+    wall = time.perf_counter() - t0
+    return eng, reqs, wall
+
+
+def test_overlap_serves_the_same_tokens_and_frees_the_cache(monkeypatch):
+    w = EngineWorld("torch", DEVICE, layers=1)
+    base, base_reqs, _ = _serve(w, overlap=False)
+    ahead_rows = []  # (request, its tokens) in each step run ahead, when it was launched
+    real = engine_module.build_decode
+
+    def build_decode(reqs, kv, device, pending=None):
+        if pending is not None:
+            ahead_rows.extend((r, len(r.output)) for r in reqs)
+        return real(reqs, kv, device, pending)
+
+    monkeypatch.setattr(engine_module, "build_decode", build_decode)
+    eng, reqs, wall = _serve(w, overlap=True)
+    assert any(len(r.output) == n + 1 < r.max_new_tokens and r.output[-1] in r.stop_ids
+               for r, n in ahead_rows), \
+        "some request must stop while the step after it already runs (its row discarded)"
+    for a, b in zip(base_reqs, reqs, strict=True):
+        assert b.output == a.output, f"request {b.id}: {b.output} != {a.output}"
+        for x, y in zip(base.logits[a.id], eng.logits[b.id], strict=True):
+            torch.testing.assert_close(y, x)
+        w.check_request(eng, b)
+    assert any(r.output[-1] in r.stop_ids and len(r.output) < r.max_new_tokens for r in reqs), \
+        "the workload must stop some request early"
+    ahead = sum(s.ahead for s in eng.timeline)
+    assert ahead > 0 and not any(s.ahead for s in base.timeline)
+    assert all(s.mode == "decode" for s in eng.timeline if s.ahead)
+    assert w.runner.kv.free_slots == w.runner.kv.max_tokens, "discarded rows free their slots"
+    assert not eng.has_work
+    total = sum(s.seconds for s in eng.timeline)
+    assert total <= wall * 1.05 + 1e-3, "overlapped steps must not count their time twice"
