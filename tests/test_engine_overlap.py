@@ -16,17 +16,16 @@ from lora_runtime.engine import engine as engine_module
 from lora_runtime.engine.scheduler import SchedulerConfig
 
 
-def _serve(w: EngineWorld, overlap: bool):
+def _serve(w: EngineWorld, overlap: bool, stops: dict[int, tuple[int, ...]]):
     eng = w.engine(SchedulerConfig(max_batch_size=3, max_step_tokens=16), overlap=overlap)
-    w.serial = 0  # the same adapters (names, weights) in both runs
+    w.serial = 0  # the same adapters (names, weights) in every run
     names = [w.new_adapter(eng) for _ in range(2)]
     g = torch.Generator().manual_seed(5)
-    stop = tuple(range(0, w.config.vocab_size, 6))
     reqs = []
     for i in range(7):
         prompt = torch.randint(0, w.config.vocab_size, (2 + 3 * i % 7,), generator=g).tolist()
         reqs.append(eng.add_request(prompt, ([None] + names)[i % 3], max_new_tokens=6 + i % 5,
-                                    stop_ids=stop if i % 2 else ()))
+                                    stop_ids=stops.get(i, ())))
     t0 = time.perf_counter()
     eng.run()
     wall = time.perf_counter() - t0
@@ -35,7 +34,10 @@ def _serve(w: EngineWorld, overlap: bool):
 
 def test_overlap_serves_the_same_tokens_and_frees_the_cache(monkeypatch):
     w = EngineWorld("torch", DEVICE, layers=1)
-    base, base_reqs, _ = _serve(w, overlap=False)
+    _, free_run, _ = _serve(w, overlap=False, stops={})
+    # Odd requests stop at the token they sample third (or earlier, where it comes sooner).
+    stops = {i: (r.output[2],) for i, r in enumerate(free_run) if i % 2}
+    base, base_reqs, _ = _serve(w, overlap=False, stops=stops)
     ahead_rows = []  # (request, its tokens) in each step run ahead, when it was launched
     real = engine_module.build_decode
 
@@ -45,7 +47,7 @@ def test_overlap_serves_the_same_tokens_and_frees_the_cache(monkeypatch):
         return real(reqs, kv, device, pending)
 
     monkeypatch.setattr(engine_module, "build_decode", build_decode)
-    eng, reqs, wall = _serve(w, overlap=True)
+    eng, reqs, wall = _serve(w, overlap=True, stops=stops)
     assert any(len(r.output) == n + 1 < r.max_new_tokens and r.output[-1] in r.stop_ids
                for r, n in ahead_rows), \
         "some request must stop while the step after it already runs (its row discarded)"
