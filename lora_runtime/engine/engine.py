@@ -48,6 +48,9 @@ class _Launched:
     start: float
     jit: int | None
     ahead: bool = False
+    host: torch.Tensor | None = None
+    """``tokens`` on the host (pinned on a GPU, valid once ``ready`` has completed)."""
+    ready: torch.cuda.Event | None = None
 
 
 class Engine:
@@ -187,7 +190,9 @@ class Engine:
             batch = build_decode(ahead.requests, self.kv, self.runner.device, cur.tokens)
             self._inflight = dataclasses.replace(
                 self._launch(ahead, batch, self._start_step()), ahead=True)
-        tokens = cur.tokens.tolist()  # the one host sync of a step
+        if cur.ready is not None:
+            cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
+        tokens = cur.host.tolist()
         produced = self._take(cur.plan, tokens, cur.logits)
         self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead)
         return produced
@@ -196,7 +201,17 @@ class Engine:
         jit = self._jit_at_start
         logits, replayed = self.forward(batch)
         kept = logits.clone() if self.keep_logits else None
-        return _Launched(plan, logits.argmax(-1), kept, replayed, start, jit)
+        tokens = logits.argmax(-1)
+        if tokens.device.type != "cuda":
+            return _Launched(plan, tokens, kept, replayed, start, jit, host=tokens)
+        # Hazard: reading ``tokens`` with ``tolist()`` would queue its copy behind the step
+        # launched ahead on the same stream and wait for that one too (no overlap left). The
+        # copy to pinned memory is queued now, and the host waits on its event alone.
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(plan, tokens, kept, replayed, start, jit, host=host, ready=ready)
 
     def _next_decode(self, plan: ScheduledStep) -> ScheduledStep | None:
         """The step after ``plan`` where it is sure to be a decode of the same requests: every
