@@ -162,10 +162,8 @@ class Engine:
         if self.overlap:
             return self._step_overlapped()
         start = self._start_step()
-        plan = self.scheduler.schedule()
+        plan = self._next_plan()
         if plan is None:
-            if self.scheduler.waiting:
-                raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
             return []
         batch = self._build(plan)
         logits, replayed = self.forward(batch)
@@ -177,10 +175,8 @@ class Engine:
         cur, self._inflight = self._inflight, None
         if cur is None:
             start = self._start_step()
-            plan = self.scheduler.schedule()
+            plan = self._next_plan()
             if plan is None:
-                if self.scheduler.waiting:
-                    raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
                 return []
             cur = self._launch(plan, self._build(plan), start)
         ahead = self._next_decode(cur.plan)
@@ -196,6 +192,14 @@ class Engine:
         produced = self._take(cur.plan, tokens, cur.logits)
         self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead)
         return produced
+
+    def _next_plan(self) -> ScheduledStep | None:
+        """The scheduler's next step, None when nothing runs; raises when the oldest waiting
+        request can never be admitted."""
+        plan = self.scheduler.schedule()
+        if plan is None and self.scheduler.waiting:
+            raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
+        return plan
 
     def _launch(self, plan: ScheduledStep, batch: ForwardBatch, start: float) -> _Launched:
         jit = self._jit_at_start
