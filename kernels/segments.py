@@ -30,18 +30,18 @@ class SegmentPlan:
     seg_slots: list[int]
     blocks: list[tuple[int, int, int]]
     block_m: int
-    arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False,
-                                                         repr=False)
+    arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False,
+                                                         compare=False, repr=False)
     """``(token_slots, permutation)`` as int64 arrays where ``plan_segments`` built them:
     ``_pack`` copies them at memory speed (converting 2,048 Python ints costs ~40 us on the
-    H200 host). Not carried over by ``dataclasses.replace`` unless given."""
+    H200 host). Not an init field, so ``dataclasses.replace`` never carries stale ones."""
 
     @property
     def num_rows(self) -> int:
         return len(self.token_slots)
 
     def row_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.arrays is not None and len(self.arrays[0]) == len(self.token_slots):
+        if self.arrays is not None:
             return self.arrays
         return (np.asarray(self.token_slots, dtype=np.int64),
                 np.asarray(self.permutation, dtype=np.int64))
@@ -122,8 +122,10 @@ def _plan_requests(request_slots: Sequence[int], request_lens: Sequence[int], bl
     for slot, lo, hi in zip(seg_slots, seg_bounds, seg_bounds[1:], strict=False):
         if slot != skip_slot:
             blocks += [(slot, b, min(b + block_m, hi)) for b in range(lo, hi, block_m)]
-    return SegmentPlan(token_slots.tolist(), permutation.tolist(), seg_bounds, seg_slots, blocks,
-                       block_m, (token_slots, permutation))
+    plan = SegmentPlan(token_slots.tolist(), permutation.tolist(), seg_bounds, seg_slots, blocks,
+                       block_m)
+    object.__setattr__(plan, "arrays", (token_slots, permutation))  # frozen: set once, here
+    return plan
 
 
 @dataclass(frozen=True)
