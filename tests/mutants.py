@@ -297,8 +297,8 @@ MUTANTS = [
            "a decode step run ahead (overlap) feeds placeholders, not the previous step's "
            "tokens still on the device",
            "lora_runtime/engine/requests.py",
-           (("    if pending is not None:\n        ids = pending.to(",
-             "    if False:\n        ids = pending.to("),),
+           (("else pending.to(device=pos.device, dtype=torch.int64)",
+             "else torch.zeros_like(pos)"),),
            ("tests/test_engine_overlap.py::"
             "test_overlap_serves_the_same_tokens_and_frees_the_cache",)),
     Mutant("fork_any_rows",

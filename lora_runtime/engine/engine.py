@@ -184,8 +184,7 @@ class Engine:
             # Hazard: the next forward reuses the graph's static output; cur's tokens (and
             # kept logits) were taken from it by kernels enqueued before this launch.
             batch = build_decode(ahead.requests, self.kv, self.runner.device, cur.tokens)
-            self._inflight = dataclasses.replace(
-                self._launch(ahead, batch, self._start_step()), ahead=True)
+            self._inflight = self._launch(ahead, batch, self._start_step(), ahead=True)
         if cur.ready is not None:
             cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
         tokens = cur.host.tolist()
@@ -201,13 +200,14 @@ class Engine:
             raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
         return plan
 
-    def _launch(self, plan: ScheduledStep, batch: ForwardBatch, start: float) -> _Launched:
+    def _launch(self, plan: ScheduledStep, batch: ForwardBatch, start: float,
+                ahead: bool = False) -> _Launched:
         jit = self._jit_at_start
         logits, replayed = self.forward(batch)
         kept = logits.clone() if self.keep_logits else None
         tokens = logits.argmax(-1)
         if tokens.device.type != "cuda":
-            return _Launched(plan, tokens, kept, replayed, start, jit, host=tokens)
+            return _Launched(plan, tokens, kept, replayed, start, jit, ahead, host=tokens)
         # Hazard: reading ``tokens`` with ``tolist()`` would queue its copy behind the step
         # launched ahead on the same stream and wait for that one too (no overlap left). The
         # copy to pinned memory is queued now, and the host waits on its event alone.
@@ -215,7 +215,7 @@ class Engine:
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(plan, tokens, kept, replayed, start, jit, host=host, ready=ready)
+        return _Launched(plan, tokens, kept, replayed, start, jit, ahead, host=host, ready=ready)
 
     def _next_decode(self, plan: ScheduledStep) -> ScheduledStep | None:
         """The step after ``plan`` where it is sure to be a decode of the same requests: every

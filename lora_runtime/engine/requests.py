@@ -142,12 +142,12 @@ def build_decode(reqs: Sequence[Request], kv: KVCache, device,
     table = np.full((bs, -(-width // 16) * 16), KVCache.SCRATCH, dtype=np.int64)
     for row, r, n in zip(table, reqs, lens, strict=True):
         row[:n] = r.kv_slots.array
-    last = np.asarray([0 if ahead else r.last_token for r in reqs], dtype=np.int64)
-    ids, pos, loc, rows, t_table, t_lens = to_device(
-        [last, lens - 1, np.asarray(slots, dtype=np.int64), np.arange(bs, dtype=np.int64), table,
-         lens], device)
-    if pending is not None:
-        ids = pending.to(device=ids.device, dtype=torch.int64)
+    fields = [lens - 1, np.asarray(slots, dtype=np.int64), np.arange(bs, dtype=np.int64), table,
+              lens]
+    if pending is None:
+        fields.append(np.asarray([r.last_token for r in reqs], dtype=np.int64))
+    pos, loc, rows, t_table, t_lens, *last = to_device(fields, device)
+    ids = last[0] if pending is None else pending.to(device=pos.device, dtype=torch.int64)
     return ForwardBatch(
         ForwardMode.DECODE, ids, pos, loc, rows, DecodeAttention(t_table[:, :width], t_lens),
         tuple(r.adapter for r in reqs), (1,) * bs,

@@ -28,8 +28,8 @@ class SlotPool:
         evicting ``protected`` ones (a batch already prepared). Raises before changing
         anything when they cannot all fit."""
         wanted = set(names)
-        if len(wanted) <= self.num_slots and all(n in self.slot_of for n in wanted):
-            return []  # every step of a steady batch: all resident
+        if all(n in self.slot_of for n in wanted):
+            return []  # every step of a steady batch: all resident (so they fit)
         keep = wanted | set(protected) | self.pinned
         if len(wanted) > self.num_slots:
             raise SlotPoolError(
