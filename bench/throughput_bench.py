@@ -43,9 +43,10 @@ SLOTS = 16
 """Adapter slots of a LoRA runtime (``max_loras_per_batch``): a workload with more adapters
 moves them in and out of slots while it runs, and a decode batch holds at most this many."""
 OVERLAP = True
-"""Serve with ``Engine(overlap=True)``: a decode step whose successor is sure to decode the same
-requests launches that successor before reading its own tokens, so the host builds step n+1
-while the device runs step n (the engine's step was ~50% host time on the H200 host)."""
+"""Serve with ``Engine(overlap=True)``: each step's successor (a decode or a prefill) is built
+and launched before the step's tokens are read, wherever only a stop token could change it,
+so the host builds step n+1 while the device runs step n (the engine's step was ~50% host
+time on the H200 host)."""
 TIMED_PASSES = 5
 """Timed passes per case (one pass is 0.2-0.8 s on the H200: single passes swung by up to
 50% between similar cases); the row reports the median pass, its samples every pass."""

@@ -297,10 +297,26 @@ MUTANTS = [
            "a decode step run ahead (overlap) feeds placeholders, not the previous step's "
            "tokens still on the device",
            "lora_runtime/engine/requests.py",
-           (("else pending.to(device=pos.device, dtype=torch.int64)",
-             "else torch.zeros_like(pos)"),),
+           (("        ids = pending.to(device=pos.device, dtype=torch.int64)\n",
+             "        ids = torch.zeros_like(pos)\n"),),
            ("tests/test_engine_overlap.py::"
             "test_overlap_serves_the_same_tokens_and_frees_the_cache",)),
+    Mutant("ahead_step_mixed_rows_stale",
+           "a decode run ahead whose requests' last tokens are partly on the host (a prefill "
+           "in flight sampled the others) feeds placeholders for the pending ones",
+           "lora_runtime/engine/requests.py",
+           (("ids = torch.where(from_rows >= 0, taken, known)", "ids = known"),),
+           ("tests/test_engine_overlap.py::"
+            "test_overlap_serves_the_same_tokens_and_frees_the_cache",)),
+    Mutant("sampled_judged_at_take",
+           "whether a request samples is judged when its tokens are read, after a step run "
+           "ahead cached the rest of its prompt: a mid-prompt row becomes its first token",
+           "lora_runtime/engine/engine.py",
+           (("            if not sampled:  # a chunk",
+             "            if req.prefilling:  # a chunk"),),
+           ("tests/test_engine_overlap.py::"
+            "test_overlap_serves_the_same_tokens_and_frees_the_cache",
+            "tests/test_engine.py::test_engine_matches_requests_run_alone")),
     Mutant("fork_any_rows",
            "every captured forward forks the shrink beside its GEMM, prefills that fill the "
            "device too",

@@ -1,8 +1,9 @@
-"""``Engine(overlap=True)``: the next decode step launched before this one's tokens are read.
-The same workload served with and without overlap gives every request the same tokens and
-logits (stop tokens included: a request that stops has its row of the step run ahead
-discarded and its KV slots freed), the steps run ahead are counted, and a pass's step times
-add up to its wall time."""
+"""``Engine(overlap=True)``: the next step (a decode or a prefill) launched before this one's
+tokens are read. The same workload served with and without overlap gives every request the
+same tokens and logits (stop tokens included: a request that stops has its row of the step
+run ahead discarded and its KV slots freed), decodes run ahead take each request's last token
+from the device or the host as it was sampled, the steps run ahead are counted, and a pass's
+step times add up to its wall time."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _serve(w: EngineWorld, overlap: bool, stops: dict[int, tuple[int, ...]]):
     g = torch.Generator().manual_seed(5)
     reqs = []
     for i in range(7):
-        prompt = torch.randint(0, w.config.vocab_size, (2 + 3 * i % 7,), generator=g).tolist()
+        n = 2 + 3 * i % 7 if i != 3 else 27  # request 3's prompt takes two steps (chunks)
+        prompt = torch.randint(0, w.config.vocab_size, (n,), generator=g).tolist()
         reqs.append(eng.add_request(prompt, ([None] + names)[i % 3], max_new_tokens=6 + i % 5,
                                     stop_ids=stops.get(i, ())))
     t0 = time.perf_counter()
@@ -38,19 +40,32 @@ def test_overlap_serves_the_same_tokens_and_frees_the_cache(monkeypatch):
     # Odd requests stop at the token they sample third (or earlier, where it comes sooner).
     stops = {i: (r.output[2],) for i, r in enumerate(free_run) if i % 2}
     base, base_reqs, _ = _serve(w, overlap=False, stops=stops)
-    ahead_rows = []  # (request, its tokens) in each step run ahead, when it was launched
-    real = engine_module.build_decode
+    ahead_rows = []  # (request, its tokens) in each decode run ahead, when it was launched
+    mixed = []  # decodes run ahead with some tokens on the host, the others still pending
+    continues = []  # per prefill built, in step order: does it continue a prompt's chunks?
+    real, real_extend = engine_module.build_decode, engine_module.build_extend
 
-    def build_decode(reqs, kv, device, pending=None):
+    def build_decode(reqs, kv, device, pending=None, pending_rows=None):
         if pending is not None:
             ahead_rows.extend((r, len(r.output)) for r in reqs)
-        return real(reqs, kv, device, pending)
+            if pending_rows is not None and min(pending_rows) < 0 <= max(pending_rows):
+                mixed.append(pending_rows)
+        return real(reqs, kv, device, pending, pending_rows)
+
+    def build_extend(reqs, kv, device, limits=None):
+        continues.append(any(0 < len(r.kv_slots) < len(r.prompt) for r in reqs))
+        return real_extend(reqs, kv, device, limits)
 
     monkeypatch.setattr(engine_module, "build_decode", build_decode)
+    monkeypatch.setattr(engine_module, "build_extend", build_extend)
     eng, reqs, wall = _serve(w, overlap=True, stops=stops)
     assert any(len(r.output) == n + 1 < r.max_new_tokens and r.output[-1] in r.stop_ids
                for r, n in ahead_rows), \
         "some request must stop while the step after it already runs (its row discarded)"
+    assert mixed, "some decode run ahead must take tokens from the host and from the device"
+    prefills = [s for s in eng.timeline if s.mode == "extend"]
+    assert any(c and s.ahead for c, s in zip(continues, prefills, strict=True)), \
+        "some prompt's next chunk must run ahead of the step that cached its first"
     for a, b in zip(base_reqs, reqs, strict=True):
         assert b.output == a.output, f"request {b.id}: {b.output} != {a.output}"
         for x, y in zip(base.logits[a.id], eng.logits[b.id], strict=True):
@@ -60,7 +75,7 @@ def test_overlap_serves_the_same_tokens_and_frees_the_cache(monkeypatch):
         "the workload must stop some request early"
     ahead = sum(s.ahead for s in eng.timeline)
     assert ahead > 0 and not any(s.ahead for s in base.timeline)
-    assert all(s.mode == "decode" for s in eng.timeline if s.ahead)
+    assert {s.mode for s in eng.timeline if s.ahead} == {"decode", "extend"}
     assert w.runner.kv.free_slots == w.runner.kv.max_tokens, "discarded rows free their slots"
     assert not eng.has_work
     total = sum(s.seconds for s in eng.timeline)

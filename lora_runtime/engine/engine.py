@@ -41,6 +41,10 @@ class _Launched:
     """A forward on the device whose tokens the host has not read yet."""
 
     plan: ScheduledStep
+    samples: list[bool]
+    """Which requests sample a token (a chunk short of its prompt's end samples nothing),
+    fixed at launch: a step launched ahead may cache the rest of a prompt before this
+    step's tokens are read."""
     tokens: torch.Tensor
     logits: torch.Tensor | None
     """A copy of the logits, kept only with ``keep_logits``."""
@@ -59,9 +63,9 @@ class Engine:
                  clock: Callable[[], float] = time.perf_counter, overlap: bool = False) -> None:
         """``graphs``: captured graph runners, tried in order; a batch none fits runs eagerly.
         ``keep_logits``: keep each request's logits row at every sampled token (tests).
-        ``overlap``: launch the next decode step before reading this one's tokens where the
-        next step is known to be a decode of the same requests (``_next_decode``), so the
-        host prepares step n+1 while the device runs step n."""
+        ``overlap``: launch the next step before reading this one's tokens wherever no token
+        but a stop token can change it (``_plan_ahead``), so the host prepares step n+1
+        while the device runs step n."""
         self.runner, self.lora, self.kv = runner, runner.lora, runner.kv
         self.config = config or SchedulerConfig()
         self.graphs = list(graphs)
@@ -179,16 +183,16 @@ class Engine:
             if plan is None:
                 return []
             cur = self._launch(plan, self._build(plan), start)
-        ahead = self._next_decode(cur.plan)
+        ahead = self._plan_ahead(cur)
         if ahead is not None:
             # Hazard: the next forward reuses the graph's static output; cur's tokens (and
             # kept logits) were taken from it by kernels enqueued before this launch.
-            batch = build_decode(ahead.requests, self.kv, self.runner.device, cur.tokens)
-            self._inflight = self._launch(ahead, batch, self._start_step(), ahead=True)
+            start = self._start_step()
+            self._inflight = self._launch(ahead, self._build(ahead, cur), start, ahead=True)
         if cur.ready is not None:
             cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
         tokens = cur.host.tolist()
-        produced = self._take(cur.plan, tokens, cur.logits)
+        produced = self._take(cur.plan, tokens, cur.logits, cur.samples)
         self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead)
         return produced
 
@@ -203,11 +207,13 @@ class Engine:
     def _launch(self, plan: ScheduledStep, batch: ForwardBatch, start: float,
                 ahead: bool = False) -> _Launched:
         jit = self._jit_at_start
+        samples = [not r.prefilling for r in plan.requests]  # ``batch`` cached their tokens
         logits, replayed = self.forward(batch)
         kept = logits.clone() if self.keep_logits else None
         tokens = logits.argmax(-1)
         if tokens.device.type != "cuda":
-            return _Launched(plan, tokens, kept, replayed, start, jit, ahead, host=tokens)
+            return _Launched(plan, samples, tokens, kept, replayed, start, jit, ahead,
+                             host=tokens)
         # Hazard: reading ``tokens`` with ``tolist()`` would queue its copy behind the step
         # launched ahead on the same stream and wait for that one too (no overlap left). The
         # copy to pinned memory is queued now, and the host waits on its event alone.
@@ -215,23 +221,21 @@ class Engine:
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(plan, tokens, kept, replayed, start, jit, ahead, host=host, ready=ready)
+        return _Launched(plan, samples, tokens, kept, replayed, start, jit, ahead, host=host,
+                         ready=ready)
 
-    def _next_decode(self, plan: ScheduledStep) -> ScheduledStep | None:
-        """The step after ``plan`` where it is sure to be a decode of the same requests: every
-        one needs a token after this step's, and none can be admitted beside them (nothing
-        waits, or the batch is full). A request that samples a stop token now has its row of
-        the next step discarded (its KV slot was freed with the request)."""
-        if plan.mode is not ForwardMode.DECODE:
+    def _plan_ahead(self, cur: _Launched) -> ScheduledStep | None:
+        """The step after ``cur``, scheduled before ``cur``'s tokens are read, where no token
+        can change it but a stop token: none of ``cur``'s requests reaches its token limit
+        with this step's token (a request that ends by its length leaves the running set,
+        which the next schedule depends on). A request that samples a stop token instead has
+        its row of the step run ahead discarded (its KV slots are freed with it), and the
+        scheduler, which still counted it running, may admit a waiting request a step later
+        than a serial engine would."""
+        if any(len(r.output) + 1 >= r.max_new_tokens
+               for r, sampled in zip(cur.plan.requests, cur.samples, strict=True) if sampled):
             return None
-        sched = self.scheduler
-        if sched.waiting and len(sched.running) < self.config.max_batch_size:
-            return None
-        if len(plan.requests) != len(sched.running):
-            return None
-        if any(len(r.output) + 1 >= r.max_new_tokens for r in plan.requests):
-            return None
-        return ScheduledStep(ForwardMode.DECODE, list(plan.requests), [1] * len(plan.requests))
+        return self.scheduler.schedule()
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until every request is done (or ``max_steps``); returns the finished ones."""
@@ -265,23 +269,31 @@ class Engine:
                 return g.replay(batch), g
         return self.runner.forward_eager(batch), None
 
-    def _build(self, plan: ScheduledStep) -> ForwardBatch:
-        if plan.mode is ForwardMode.DECODE:
+    def _build(self, plan: ScheduledStep, running: _Launched | None = None) -> ForwardBatch:
+        """``running``: the step still on the device whose tokens this one decodes from."""
+        if plan.mode is not ForwardMode.DECODE:
+            return build_extend(plan.requests, self.kv, self.runner.device, plan.chunks)
+        if running is None:
             return build_decode(plan.requests, self.kv, self.runner.device)
-        return build_extend(plan.requests, self.kv, self.runner.device, plan.chunks)
+        row_of = {r: i for i, (r, sampled) in enumerate(zip(running.plan.requests,
+                                                            running.samples, strict=True))
+                  if sampled}
+        rows = [row_of.get(r, -1) for r in plan.requests]
+        return build_decode(plan.requests, self.kv, self.runner.device, running.tokens, rows)
 
     def _sample(self, plan: ScheduledStep, logits: torch.Tensor) -> list[tuple[Request, int]]:
         tokens = logits.argmax(-1).tolist()  # the one host sync of a step
-        return self._take(plan, tokens, logits)
+        return self._take(plan, tokens, logits, [not r.prefilling for r in plan.requests])
 
-    def _take(self, plan: ScheduledStep, tokens: list[int],
-              logits: torch.Tensor | None) -> list[tuple[Request, int]]:
+    def _take(self, plan: ScheduledStep, tokens: list[int], logits: torch.Tensor | None,
+              samples: list[bool]) -> list[tuple[Request, int]]:
         now = self.clock()
         produced = []
-        for i, (req, tok) in enumerate(zip(plan.requests, tokens, strict=True)):
+        for i, (req, tok, sampled) in enumerate(zip(plan.requests, tokens, samples,
+                                                     strict=True)):
             if req.metrics.finish is not None:  # stopped while this step ran (overlap)
                 continue
-            if req.prefilling:  # a chunk that did not reach the prompt's end samples nothing
+            if not sampled:  # a chunk that did not reach the prompt's end samples nothing
                 continue
             req.output.append(tok)
             if self.keep_logits:

@@ -119,38 +119,61 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
 
 
 def build_decode(reqs: Sequence[Request], kv: KVCache, device,
-                 pending: torch.Tensor | None = None) -> ForwardBatch:
+                 pending: torch.Tensor | None = None,
+                 pending_rows: Sequence[int] | None = None) -> ForwardBatch:
     """One token per request: the last sampled one, not yet in the cache. ``pending``: the
-    step runs ahead of the one that samples its tokens (``Engine(overlap=True)``): request
-    i's last token is not in its output yet but is ``pending[i]``, on the device."""
-    ahead = 0 if pending is None else 1
-    if pending is not None and tuple(pending.shape) != (len(reqs),):
-        raise ValueError(f"pending has shape {tuple(pending.shape)}, expected ({len(reqs)},)")
-    for i, r in enumerate(reqs):
-        if len(r.kv_slots) != r.num_tokens - 1 + ahead:
+    step runs ahead of the one that samples its tokens (``Engine(overlap=True)``), whose
+    tokens are still on the device: request i's last token is not in its output yet but is
+    ``pending[pending_rows[i]]`` (by default ``pending[i]``); a row of -1 marks a request
+    whose last token is in its output (it did not sample in that step)."""
+    n = len(reqs)
+    if pending is None:
+        rows = [-1] * n
+    elif pending_rows is None:
+        if tuple(pending.shape) != (n,):
+            raise ValueError(f"pending has shape {tuple(pending.shape)}, expected ({n},)")
+        rows = list(range(n))
+    else:
+        rows = list(pending_rows)
+        if len(rows) != n or not all(-1 <= i < pending.shape[0] for i in rows):
+            raise ValueError(f"pending_rows must give each of the {n} requests a row of "
+                             f"pending ({pending.shape[0]} rows) or -1, got {rows}")
+    for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+        if len(r.kv_slots) != r.num_tokens - (row < 0):
             raise ValueError(f"request {i} is not ready to decode: {r.num_tokens} tokens"
-                             f"{' and one pending' if ahead else ''}, {len(r.kv_slots)} cached")
-    slots = kv.alloc(len(reqs))
+                             f"{' and one pending' if row >= 0 else ''}, {len(r.kv_slots)} "
+                             "cached")
+    slots = kv.alloc(n)
     for r, s in zip(reqs, slots, strict=True):
         r.kv_slots.append(s)
-    bs = len(reqs)
     lens = np.asarray([len(r.kv_slots) for r in reqs], dtype=np.int64)
     # The rows are 16-aligned in memory, the table as wide as the longest context: its row
     # stride is a kernel argument, and Triton compiles a variant per divisibility class of it
     # (a compile mid-serving stalls the step by ~1 s), while graphs pick buckets by its width.
-    width = int(lens.max()) if bs else 1
-    table = np.full((bs, -(-width // 16) * 16), KVCache.SCRATCH, dtype=np.int64)
-    for row, r, n in zip(table, reqs, lens, strict=True):
-        row[:n] = r.kv_slots.array
-    fields = [lens - 1, np.asarray(slots, dtype=np.int64), np.arange(bs, dtype=np.int64), table,
+    width = int(lens.max()) if n else 1
+    table = np.full((n, -(-width // 16) * 16), KVCache.SCRATCH, dtype=np.int64)
+    for row, r, k in zip(table, reqs, lens, strict=True):
+        row[:k] = r.kv_slots.array
+    fields = [lens - 1, np.asarray(slots, dtype=np.int64), np.arange(n, dtype=np.int64), table,
               lens]
-    if pending is None:
-        fields.append(np.asarray([r.last_token for r in reqs], dtype=np.int64))
-    pos, loc, rows, t_table, t_lens, *last = to_device(fields, device)
-    ids = last[0] if pending is None else pending.to(device=pos.device, dtype=torch.int64)
+    every_row_pending = pending is not None and rows == list(range(pending.shape[0]))
+    if not every_row_pending:
+        fields.append(np.asarray([0 if row >= 0 else r.last_token
+                                  for r, row in zip(reqs, rows, strict=True)], dtype=np.int64))
+        if pending is not None:
+            fields.append(np.asarray(rows, dtype=np.int64))
+    pos, loc, batch_rows, t_table, t_lens, *last = to_device(fields, device)
+    if every_row_pending:
+        ids = pending.to(device=pos.device, dtype=torch.int64)
+    elif pending is None:
+        ids = last[0]
+    else:  # some tokens on the host, the others still on the device
+        known, from_rows = last
+        taken = pending.to(device=pos.device, dtype=torch.int64)[from_rows.clamp(min=0)]
+        ids = torch.where(from_rows >= 0, taken, known)
     return ForwardBatch(
-        ForwardMode.DECODE, ids, pos, loc, rows, DecodeAttention(t_table[:, :width], t_lens),
-        tuple(r.adapter for r in reqs), (1,) * bs,
+        ForwardMode.DECODE, ids, pos, loc, batch_rows, DecodeAttention(t_table[:, :width], t_lens),
+        tuple(r.adapter for r in reqs), (1,) * n,
     )
 
 
