@@ -10,8 +10,9 @@ batch, the expected graph (with or without LoRA) replayed, and the static LoRA b
 neutral past the batch. A case that fails is reported as failed and not timed.
 
 Rows: one per (traffic, path); derived: ``tokens_per_s``, ``weight_bytes``, ``floor_us``
-(weight bytes over the measured copy bandwidth), ``x_floor``, ``graph_kind`` and, on graph
-rows, the runtime's capture figures.
+(weight bytes over the measured copy bandwidth), ``x_floor``, ``graph_kind``, on LoRA
+traffic rows ``lora_bytes`` and ``lora_floor_us`` (the batch's distinct adapters' weights, the
+least LoRA can add: ``bench.lora_floor``) and, on graph rows, the runtime's capture figures.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from bench.case import Case
 from bench.context import Context
 from bench.logits_match import assert_logits_match
+from bench.lora_floor import adapter_bytes, floor_us
 from bench.model_runtime import BenchRuntime
 from bench.results import make_row
 from bench.timing import bench_interleaved, bench_time, pair_ratio
@@ -131,6 +133,10 @@ def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict
                         t = bench_time(fn, device=ctx.device, reps=ctx.reps, warmup=3,
                                        mode="events")
                 derived = _derived(case, rt, t, ctx, None if path == "eager" else rt.last_kind)
+                if traffic == "lora":
+                    nbytes = adapter_bytes(rt.lora, batch.adapter_names)
+                    derived |= {"lora_bytes": nbytes,
+                                "lora_floor_us": floor_us(nbytes, ctx.ceilings.copy_gbps)}
                 if path == "graph":
                     derived |= rt.capture_stats
                 if path == "eager" and traffic == "lora" and "base" in eager:

@@ -58,7 +58,7 @@ def _added(row: dict | None) -> str:
 
 MODEL_HEADERS = ["model", "bs", "adapters", "r", "eager, no LoRA", "graph step, no-LoRA runtime",
                  "graph step, LoRA runtime, base traffic", "graph step, LoRA traffic",
-                 "replay only: base / LoRA", "LoRA cost: step / replay only",
+                 "replay only: base / LoRA", "LoRA cost: step / replay only / bytes floor",
                  "graph speed-up, LoRA traffic", "eager: LoRA / base traffic"]
 
 
@@ -70,10 +70,12 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """One line per LoRA runtime and batch size, next to the runtime without LoRA of the same
     model and batch size (microseconds)."""
     ok = [r for r in rows if r.get("stats")]
-    cell, eager_ratio = {}, {}
+    cell, eager_ratio, floor = {}, {}, {}
     for r in ok:
         base = (r["step"], r["preset"], r["layers"], r["context"], r["batch_size"], r["dtype"])
         cell[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = _med(r)
+        if r["traffic"] == "lora" and r["path"] == "replay_only":
+            floor[(base, r["adapters"], r["ranks"])] = r.get("derived", {}).get("lora_floor_us")
         ratio = r.get("derived", {}).get("eager_lora_over_base")
         if ratio is not None:
             eager_ratio[(base, r["adapters"], r["ranks"])] = ratio
@@ -91,6 +93,9 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
         step_cost = _pct(lo("lora", "graph"), nl("graph"))
         replay_cost = _pct(lo("lora", "replay_only"), nl("replay_only"))
+        floor_us = floor.get((base, adapters, ranks))
+        floor_cost = (100 * floor_us / nl("replay_only")
+                      if floor_us is not None and nl("replay_only") else None)
         gain = (lo("lora", "eager") / lo("lora", "graph")
                 if lo("lora", "eager") and lo("lora", "graph") else None)
         model = f"{preset} ({layers} layers{'' if step == 'decode' else ', ' + step})"
@@ -98,7 +103,7 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                     fmt(nl("eager"), ".0f"), fmt(nl("graph"), ".0f"),
                     fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),
                     f"{fmt(nl('replay_only'), '.0f')} / {fmt(lo('lora', 'replay_only'), '.0f')}",
-                    f"{fmt(step_cost)}% / {fmt(replay_cost)}%",
+                    f"{fmt(step_cost)}% / {fmt(replay_cost)}% / {fmt(floor_cost)}%",
                     "-" if gain is None else f"{gain:.1f}x",
                     _ratio(eager_ratio.get((base, adapters, ranks)))])
     return MODEL_HEADERS, out

@@ -7,7 +7,10 @@ buckets by token count up to the step's budget, continuations of chunked prompts
 the engine's warm-up, an untimed pass, then ``TIMED_PASSES`` timed passes. A LoRA case builds
 a runtime without LoRA beside it (same weights) and interleaves its passes with the case's,
 so ``pct_of_base`` compares passes made under the same conditions: the median over the
-timed passes of a pass's tokens/s as a % of its base pass's just before it. Verification: every
+timed passes of a pass's tokens/s as a % of its base pass's just before it;
+``pct_of_base_at_floor`` is the % of base the case would reach if LoRA added only its bytes
+floor to the median base pass (``lora_floor_ms``: each step's distinct adapters read once at
+the measured copy rate, ``bench.lora_floor``). Verification: every
 request produced all its tokens, and every timed pass repeats the untimed pass's tokens
 (greedy, same schedule: a replay that read stale metadata after the slot churn of the first
 pass would change them) up to a near-tie: a request may diverge only at a token whose top-2
@@ -23,6 +26,7 @@ import time
 import torch
 
 from bench.context import Context
+from bench.lora_floor import pass_floor_ms
 from bench.results import make_row
 from bench.scenarios import ThroughputCase
 from bench.timing import Timing
@@ -116,8 +120,11 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
             len(base.runs) // 2]
         base_tps = sum(len(o) for o in base.passes[1]) / base_wall
         pairs = _paired_pct(main, base)
+        floor_ms = pass_floor_ms(main.lora, timeline, ctx.ceilings.copy_gbps)
         derived |= {"base_output_tokens_per_s": base_tps,
                     "pct_of_base": statistics.median(pairs), "pct_of_base_pairs": pairs,
+                    "lora_floor_ms": floor_ms,
+                    "pct_of_base_at_floor": 100 * base_wall / (base_wall + floor_ms / 1e3),
                     **{f"base_{k}": v for k, v in _step_split(base_timeline).items()}}
     main.release()
     if base is not None:
@@ -286,13 +293,17 @@ def _sync(device: torch.device) -> None:
 def table(rows: list[dict]) -> str:
     from bench.table import fmt, render
 
-    head = ["case", "tokens/s", "% of base", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+    head = ["case", "tokens/s", "% of base (bytes floor)", "req/s", "TTFT p50/p99 ms",
+            "TPOT p50/p99 ms",
             "step p50 ms: decode/extend", "ms a pass over base: decode/extend",
             "slot writes/pass (ms each)", "steps ahead", "J/token", "status"]
     body = []
     for r in rows:
         d = r["derived"]
-        body.append([r["label"], fmt(d.get("output_tokens_per_s")), fmt(d.get("pct_of_base")),
+        pct = fmt(d.get("pct_of_base"))
+        if d.get("pct_of_base_at_floor") is not None:
+            pct += f" ({fmt(d['pct_of_base_at_floor'])})"
+        body.append([r["label"], fmt(d.get("output_tokens_per_s")), pct,
                      fmt(d.get("requests_per_s"), ".2f"),
                      f"{fmt(d.get('ttft_p50_ms'))} / {fmt(d.get('ttft_p99_ms'))}",
                      f"{fmt(d.get('tpot_p50_ms'), '.2f')} / {fmt(d.get('tpot_p99_ms'), '.2f')}",

@@ -174,6 +174,11 @@ def test_a_lora_throughput_case_interleaves_a_base_runtime(monkeypatch):
         assert d[f"{prefix}decode_ms_total"] > 0 and d[f"{prefix}extend_ms_total"] > 0
         assert d[f"{prefix}extend_step_ms_p50"] <= d[f"{prefix}extend_ms_total"]
         assert steps <= 1e3 * wall
+    # LoRA's bytes floor: the median base pass plus the floor of the median LoRA pass
+    assert d["lora_floor_ms"] > 0
+    base_wall = walls["base_"]
+    assert d["pct_of_base_at_floor"] == pytest.approx(
+        100 * base_wall / (base_wall + d["lora_floor_ms"] / 1e3))
     assert "ms a pass over base" in throughput_bench.table([row])
 
 

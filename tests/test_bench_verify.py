@@ -57,6 +57,10 @@ def test_a_verified_case_times_every_traffic_and_path():
     want = pair_ratio(*(Timing(eager[t]["samples_us"], "wall") for t in ("lora", "base")))
     assert eager["lora"]["derived"]["eager_lora_over_base"] == want > 0
     assert "eager_lora_over_base" not in eager["base"]["derived"]
+    # LoRA traffic rows carry the batch's adapters' bytes floor, base traffic rows none
+    floors = {r["derived"].get("lora_floor_us") for r in rows if r["traffic"] == "lora"}
+    assert len(floors) == 1 and floors.pop() > 0
+    assert all("lora_floor_us" not in r["derived"] for r in rows if r["traffic"] == "base")
 
 
 def test_interleaved_timing_alternates_its_functions_and_pairs_their_reps():
