@@ -65,14 +65,22 @@ def kernel_x_floor(rows) -> list[go.Figure]:
                              log_y=True)
 
 
-def _model_cells(rows):
+def _model_cells(rows, field=None):
+    """Model-suite medians (or ``derived[field]``) keyed by (base, bs, adapters, ranks,
+    traffic, path); ``base`` names the step too (a decode and a prefill of equal context and
+    batch size are different cases)."""
     cell = {}
     for r in rows:
         if r["suite"] == "model" and r.get("stats"):
-            base = (r["preset"], r["layers"], r["context"], r["dtype"])
+            base = (r["preset"], r["layers"], r["context"], r["dtype"], r["step"])
             cell[(base, r["batch_size"], r["adapters"], r["ranks"], r["traffic"],
-                  r["path"])] = _med(r)
+                  r["path"])] = _med(r) if field is None else r["derived"].get(field)
     return cell
+
+
+def _model_name(base) -> str:
+    preset, layers, _, _, step = base
+    return f"{preset} L={layers}" + ("" if step == "decode" else f" {step}")
 
 
 def model_graph_vs_eager(rows) -> list[go.Figure]:
@@ -82,7 +90,7 @@ def model_graph_vs_eager(rows) -> list[go.Figure]:
         graph = cell.get((base, bs, a, rk, traffic, "graph"))
         if path != "eager" or not graph:
             continue
-        name = f"{base[0]} L={base[1]}"
+        name = _model_name(base)
         fig = figs.setdefault(name, (_fig(f"Graph speed-up over eager (eager / graph step): "
                                           f"{name}", "batch size", "speed-up (x)",
                                           log_x=True), defaultdict(list)))
@@ -92,18 +100,23 @@ def model_graph_vs_eager(rows) -> list[go.Figure]:
 
 
 def model_lora_cost(rows) -> list[go.Figure]:
-    cell = _model_cells(rows)
+    """LoRA's cost over the runtime without LoRA, and beside it LoRA's bytes floor (its
+    adapters read once at the copy rate) over the same replay: the least LoRA can add."""
+    cell, floor = _model_cells(rows), _model_cells(rows, "lora_floor_us")
     figs = {}
     for (base, bs, a, rk, traffic, path), t in cell.items():
         ref = cell.get((base, bs, 0, "", "base", path))
         if not a or path not in ("graph", "replay_only") or not ref:
             continue
-        name = f"{base[0]} L={base[1]}"
+        name = _model_name(base)
         fig = figs.setdefault(name, (_fig(f"LoRA cost over the runtime without LoRA: {name}",
                                           "batch size", "% over no-LoRA", log_x=True),
                                      defaultdict(list)))
         fig[1][f"adapters={a} r={rk} {traffic} traffic, {path}"].append(
             (bs, 100 * (t / ref - 1)))
+        least = floor.get((base, bs, a, rk, traffic, path))
+        if path == "replay_only" and least is not None:
+            fig[1][f"adapters={a} r={rk}, LoRA's bytes floor"].append((bs, 100 * least / ref))
     return [_lines(f, dict(sorted(s.items()))) for f, s in figs.values()]
 
 

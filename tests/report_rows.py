@@ -35,15 +35,19 @@ def rows(scale: float = 1.0) -> list[dict]:
                                         timing=_t(us * scale), verification=OK, derived={
                                             "x_floor": 50 / t ** 0.5, "pct_of_base": 60.0,
                                             "achieved_gbps": 900.0}))
-    for bs in (1, 8, 32):
+    # A prefill of the decode rows' context and a batch size of theirs: another case.
+    for step, bs in (("decode", 1), ("decode", 8), ("decode", 32), ("prefill", 8)):
         for a, ranks in ((0, ()), (4, (16,)), (4, (8, 16, 64))):
-            case = ModelCase("decode", "llama3-8b", 4, 256, bs, a, ranks, "triton",
+            case = ModelCase(step, "llama3-8b", 4, 256, bs, a, ranks, "triton",
                              torch.bfloat16)
+            slow = 3 if step == "prefill" else 1
             for traffic in case.traffics:
                 for path, us in (("eager", 5000), ("graph", 1200 + 200 * (traffic == "lora")),
                                  ("replay_only", 1100)):
+                    floor = {"lora_floor_us": 11.0 * bs ** 0.5} if traffic == "lora" else {}
                     out.append(make_row(case, "gpu", {"traffic": traffic, "path": path},
-                                        timing=_t(us * scale), verification=OK))
+                                        timing=_t(us * scale * slow), verification=OK,
+                                        derived=floor))
     failed = ModelCase("decode", "llama3-8b", 4, 256, 64, 4, (16,), "triton", torch.bfloat16)
     out.append(make_row(failed, "gpu", {"traffic": "all", "path": "graph"},
                         verification={"status": "failed", "error": "replay differs"}))

@@ -42,6 +42,22 @@ def test_report_is_self_contained_and_flags_regressions(tmp_path):
     assert all(html.escape(p) in bare.read_text() for p in report.PLACEHOLDERS.values())
 
 
+def test_model_charts_keep_decode_and_prefill_apart_and_show_lora_s_floor():
+    from bench import report_charts
+
+    figs = {f.layout.title.text: f for f in report_charts.model_lora_cost(rows())}
+    decode = figs["LoRA cost over the runtime without LoRA: llama3-8b L=4"]
+    prefill = figs["LoRA cost over the runtime without LoRA: llama3-8b L=4 prefill"]
+    graph = {t.name: dict(zip(t.x, t.y, strict=True)) for t in decode.data}
+    # decode at bs 8: LoRA graph step 1400 over 1200 us; the prefill's (x3) would read the same
+    # ratio, so the replay's floor tells them apart: 11 * sqrt(8) us over 1100 (x3 prefill)
+    assert graph["adapters=4 r=16 lora traffic, graph"][8] == pytest.approx(100 * (1400 / 1200 - 1))
+    floor = graph["adapters=4 r=16, LoRA's bytes floor"]
+    assert floor[8] == pytest.approx(100 * 11 * 8 ** 0.5 / 1100)
+    assert {t.name for t in prefill.data} >= {"adapters=4 r=16, LoRA's bytes floor"}
+    assert [t.x for t in prefill.data if "floor" in t.name][0] == (8,)
+
+
 @needs_chromium
 def test_every_chart_draws_without_errors(tmp_path):
     out = report.write_report([_write(tmp_path, "cur.json", rows())],
