@@ -317,6 +317,11 @@ MUTANTS = [
            ("tests/test_engine_overlap.py::"
             "test_overlap_serves_the_same_tokens_and_frees_the_cache",
             "tests/test_engine.py::test_engine_matches_requests_run_alone")),
+    Mutant("floor_counts_rows",
+           "LoRA's bytes floor counts an adapter once per row that uses it, not once a step",
+           "bench/lora_floor.py",
+           (("for n in set(names) if n is not None", "for n in names if n is not None"),),
+           ("tests/test_lora_floor.py::test_a_steps_floor_counts_each_distinct_adapter_once",)),
     Mutant("fork_any_rows",
            "every captured forward forks the shrink beside its GEMM, prefills that fill the "
            "device too",
