@@ -231,8 +231,9 @@ class Engine:
         which the next schedule depends on). A request that samples a stop token instead has
         its row of the step run ahead discarded (its KV slots are freed with it), and the
         scheduler, which still counted it running, may admit a waiting request a step later
-        than a serial engine would."""
-        if any(len(r.output) + 1 >= r.max_new_tokens
+        than a serial engine would. (A request that stopped before ``cur`` was read has its
+        row there discarded: it changes nothing.)"""
+        if any(len(r.output) + 1 >= r.max_new_tokens and r.metrics.finish is None
                for r, sampled in zip(cur.plan.requests, cur.samples, strict=True) if sampled):
             return None
         return self.scheduler.schedule()
