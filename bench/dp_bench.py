@@ -42,6 +42,9 @@ from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
 
+OVERLAP = True
+"""Serve with ``DPEngine(overlap=True)`` (every rank launching each step before reading the last
+one's tokens where it may); ``--serial`` (or ``opts["overlap"] = False``) turns it off."""
 TIMED_PASSES = 3
 """Timed passes per case (a pass is 0.3-0.5 s on the H200 and single passes swung by 15%);
 the row reports the median one."""
@@ -90,7 +93,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     runner = ModelRunner(model, kv, lora)
     buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= bs]
     graphs = [GraphRunner.decode(runner, buckets, opts["prompt"] + opts["output"] + 8).capture()]
-    eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=bs, max_step_tokens=2048), graphs)
+    eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=bs, max_step_tokens=2048), graphs,
+                   overlap=opts.get("overlap", OVERLAP))
     for name in spec.adapter_names if adapters else []:
         eng.load_adapter(name, random_adapter(config, name, r, seed=int(name.rsplit("-", 1)[1]),
                                               dtype=dtype))
@@ -135,6 +139,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     derived = {
         "output_tokens_per_s": int(tokens) / wall, "requests_per_s": requests / wall,
         "output_tokens": int(tokens), "duration_s": wall, "steps": len(steps),
+        "ahead_steps": sum(st.ahead for st in steps), "overlap": eng.overlap,
         "pass_walls_s": [float(w) for w in walls],
         "idle_share": sum(per_rank) / size, "idle_share_per_rank": per_rank,
         "warm_up_s": warm.seconds,
@@ -210,12 +215,15 @@ def main(argv=None) -> int:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--serial", action="store_true",
+                   help="serve without overlap (each step waits for the last one's tokens)")
     p.add_argument("--out", type=Path, required=True, help="JSON list of result rows")
     args = p.parse_args(argv)
     opts = {k: getattr(args, k) for k in ("preset", "layers", *WORKLOAD)}
     opts["cases"] = [{"adapters": a, "load": load, "rank": args.rank}
                      for a in args.adapters for load in args.loads]
     opts["profile"] = "gpu" if torch.cuda.is_available() else "cpu"
+    opts["overlap"] = not args.serial
     if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
         size = int(os.environ["WORLD_SIZE"])
         part = args.out.with_suffix(f".dp{size}.json")

@@ -83,7 +83,7 @@ def table(rows: list[dict]) -> str:
 
     head = ["case", "tokens/s", "req/s", "idle share per rank",
             "idle forward LoRA / peers / base us",
-            "graph steps", "status"]
+            "graph steps", "steps ahead", "status"]
     body = []
     for r in rows:
         d = r["derived"]
@@ -94,5 +94,7 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(d.get('idle_forward_lora_us'))} / "
                      f"{fmt(d.get('idle_forward_peers_us'))} / "
                      f"{fmt(d.get('idle_forward_base_us'))}",
-                     fmt(d.get("graph_steps"), "d"), r["verification"]["status"]])
+                     fmt(d.get("graph_steps"), "d"),
+                     f"{fmt(d.get('ahead_steps'), 'd')} / {fmt(d.get('steps'), 'd')}",
+                     r["verification"]["status"]])
     return render(head, body)

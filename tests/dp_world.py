@@ -72,7 +72,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         graphs = [GraphRunner.decode(runner, DECODE_BUCKETS, 48).capture(),
                   GraphRunner.prefill(runner, PREFILL_BUCKETS, 4, 64).capture()]
     eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16), graphs,
-                   keep_logits=True)
+                   keep_logits=True, overlap=opts.get("overlap", False))
     for ad in adapters():
         eng.load_adapter(ad.name, ad.to(dtype))
     if rank == opts.get("die_rank", -1):
@@ -105,6 +105,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         "requests": {i: (r.output, [row.float().cpu() for row in eng.logits[r.id]])
                      for i, r in mine.items()},
         "modes": [s.mode for s in eng.timeline],
+        "ahead": [s.ahead for s in eng.timeline],
         "graph_steps": sum(s.graph for s in eng.timeline),
         "graph_prefill_steps": sum(s.graph and s.mode == "extend" for s in eng.timeline),
         "variants": [s.variant for s in eng.timeline],

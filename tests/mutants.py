@@ -322,6 +322,13 @@ MUTANTS = [
            "bench/lora_floor.py",
            (("for n in set(names) if n is not None", "for n in names if n is not None"),),
            ("tests/test_lora_floor.py::test_a_steps_floor_counts_each_distinct_adapter_once",)),
+    Mutant("dp_ahead_reads_no_pending_tokens",
+           "a DP rank's step run ahead is built as if the step in flight had been read (its "
+           "requests' last tokens taken from the host)",
+           "lora_runtime/dp/dp_engine.py",
+           (("batch = None if plan is None else self._build(plan, running)",
+             "batch = None if plan is None else self._build(plan)"),),
+           ("tests/test_dp.py::test_dp_logits_equal_the_dp1_reference",)),
     Mutant("fork_any_rows",
            "every captured forward forks the shrink beside its GEMM, prefills that fill the "
            "device too",

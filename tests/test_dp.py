@@ -65,17 +65,24 @@ def _check(results, opts, reference, dtype=torch.float32) -> dict:
             "compiles": [sum(c or 0 for c in r["compiles"]) for r in results]}
 
 
-@pytest.mark.parametrize("size,policy,graphs", [
-    (1, "round_robin", False), (2, "skewed", False), (2, "least_loaded", True),
-    (4, "skewed", False), (4, "round_robin", True),
+@pytest.mark.parametrize("size,policy,graphs,overlap", [
+    (1, "round_robin", False, False), (2, "skewed", False, False),
+    (2, "least_loaded", True, True), (4, "skewed", False, True), (4, "round_robin", True, False),
 ])
-def test_dp_logits_equal_the_dp1_reference(size, policy, graphs, tmp_path, reference, capsys):
-    """The DP 2 case with graphs warms the engines up first: serving after it is unchanged."""
+def test_dp_logits_equal_the_dp1_reference(size, policy, graphs, overlap, tmp_path, reference,
+                                           capsys):
+    """The DP 2 case with graphs warms the engines up first: serving after it is unchanged.
+    With ``overlap`` a rank launches each step ahead of reading the last one's tokens where its
+    own requests allow, whatever the others do."""
     opts = {"n": 10, "policy": policy, "share": 0.7, "graphs": graphs, "seed": size,
-            "warm_up": size == 2 and graphs}
-    stats = _check(_serve(size, opts, tmp_path), opts, reference)
+            "warm_up": size == 2 and graphs, "overlap": overlap}
+    results = _serve(size, opts, tmp_path)
+    stats = _check(results, opts, reference)
+    ahead = [sum(r["ahead"]) for r in results]
     with capsys.disabled():
-        print(f"\n[dp] size={size} policy={policy} graphs={graphs} {stats}")
+        print(f"\n[dp] size={size} policy={policy} graphs={graphs} overlap={overlap} "
+              f"ahead={ahead} {stats}")
+    assert (max(ahead) > 0) if overlap else (max(ahead) == 0)
     if size > 1:
         assert sum(stats["idle_steps"]) > 0, "the workload must make some rank idle"
     if opts["warm_up"]:
@@ -129,18 +136,18 @@ def _gpu_stats(size: int, results: list[dict], opts: dict, capsys, how: str) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("size,policy,graphs", [
-    (2, "skewed", True), (2, "round_robin", True), (4, "skewed", True),
-    (4, "round_robin", False), (8, "skewed", True), (8, "round_robin", False),
+@pytest.mark.parametrize("size,policy,graphs,overlap", [
+    (2, "skewed", True, False), (2, "round_robin", True, True), (4, "skewed", True, True),
+    (4, "round_robin", False, False), (8, "skewed", True, True), (8, "round_robin", False, False),
 ])
-def test_dp_nccl_bf16(size, policy, graphs, tmp_path, capsys):
-    """One rank per GPU over NCCL, eager and with decode and prefill graphs. After the warm-up
-    no step compiles a kernel (a compile stalls every rank)."""
+def test_dp_nccl_bf16(size, policy, graphs, overlap, tmp_path, capsys):
+    """One rank per GPU over NCCL, eager and with decode and prefill graphs, serial and
+    overlapped. After the warm-up no step compiles a kernel (a compile stalls every rank)."""
     if torch.cuda.device_count() < size:
         pytest.skip(f"needs {size} GPUs (NCCL, one rank per GPU); "
                     f"{torch.cuda.device_count()} present")
     opts = {"n": 8 * size, "policy": policy, "share": 0.8, "graphs": graphs, "seed": 7,
-            "cuda": True, "backend": "triton", "warm_up": True}
+            "cuda": True, "backend": "triton", "warm_up": True, "overlap": overlap}
     _gpu_stats(size, _serve(size, opts, tmp_path), opts, capsys, "spawn")
 
 
@@ -185,3 +192,5 @@ def test_torchrun_launches_the_dp_benchmark(tmp_path):
     assert row["dp_size"] == 2 and row["verification"]["status"] == "verified"
     assert len(row["derived"]["idle_share_per_rank"]) == 2
     assert row["derived"]["workload"]["requests"] == 6, "3 requests per rank, 2 ranks"
+    assert row["derived"]["overlap"] and 0 <= row["derived"]["ahead_steps"] < row["derived"][
+        "steps"], "the benchmark serves with the overlapped DP engine"

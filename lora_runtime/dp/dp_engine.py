@@ -21,7 +21,7 @@ from lora_runtime.dp.agreement import (
     pool_digest,
 )
 from lora_runtime.dp.group import DPGroup
-from lora_runtime.engine.engine import Engine, GraphReplayer
+from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request
@@ -31,11 +31,13 @@ from lora_runtime.nvtx import phase
 
 class DPEngine(Engine):
     def __init__(self, runner: ModelRunner, dp: DPGroup, config: SchedulerConfig | None = None,
-                 graphs=(), *, keep_logits: bool = False, verify: bool = True) -> None:
+                 graphs=(), *, keep_logits: bool = False, verify: bool = True,
+                 overlap: bool = False) -> None:
         """``verify``: confirm with every rank, before each forward, the rows, bucket and
         variant it runs (one more small host all-gather): a divergence raises instead of
-        hanging a collective."""
-        super().__init__(runner, config, graphs, keep_logits=keep_logits)
+        hanging a collective. ``overlap``: as ``Engine``'s; each rank launches its next step
+        ahead where its own requests allow."""
+        super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap)
         if runner.dp is not None and runner.dp.size != dp.size:
             raise ValueError(f"the model is sharded for {runner.dp.size} ranks, the group has "
                              f"{dp.size}")
@@ -45,6 +47,8 @@ class DPEngine(Engine):
         self.last: StepAgreement | None = None
         self._known: set[str] = set()
         self._steps = 0
+        self._agreed: StepAgreement | None = None
+        """The agreement of the step being launched (``forward`` runs what it decided)."""
 
     # -- adapters: every rank makes the same calls in the same order -------------------------
     def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
@@ -68,10 +72,28 @@ class DPEngine(Engine):
         return self.finished
 
     def step(self) -> list[tuple[Request, int]]:
-        start = self._start_step()
+        if not self.overlap:
+            cur = self._launch_agreed(self._start_step())
+            return [] if cur is None else self._finish(cur)
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            cur = self._launch_agreed(self._start_step())
+            if cur is None:
+                return []
+        # Each rank decides for itself: the collectives run in the same order either way (a
+        # step's agreement follows the previous step's forward on every rank); a rank that
+        # runs ahead only waits in the agreement for one that read its tokens first.
+        if self._may_run_ahead(cur):
+            self._inflight = self._launch_agreed(self._start_step(), cur)
+        return self._finish(cur)
+
+    def _launch_agreed(self, start: float, running: LaunchedStep | None = None
+                       ) -> LaunchedStep | None:
+        """Schedules this rank's share, agrees on the step with every rank and launches it
+        (None: no rank has rows). ``running``: the step still on the device (overlap)."""
         self._share_free_slots()
         plan = self.scheduler.schedule()
-        batch = None if plan is None else self._build(plan)
+        batch = None if plan is None else self._build(plan, running)
         with phase("collective"):
             ag = agree(self.dp, self._rank_step(plan, batch), self.config.max_batch_size,
                        self.scheduler.num_slots)
@@ -82,7 +104,7 @@ class DPEngine(Engine):
             if plan is None and self.scheduler.waiting and not self.scheduler.running \
                     and not ag.has_work:
                 raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
-            return []
+            return None
         gathered = GatheredRows(
             ag.mode, ag.rows_per_rank,
             tuple(tuple(names.get(a) if a >= 0 else None for a in r.adapters) for r in ag.ranks),
@@ -91,10 +113,13 @@ class DPEngine(Engine):
             batch = ForwardBatch.idle(self.lora, self.runner.device, gathered)
         else:
             batch = dataclasses.replace(batch, gathered=gathered)
-        logits, replayed = self._forward_agreed(batch, ag)
-        produced = [] if plan is None else self._sample(plan, logits)
-        self._record(plan or ScheduledStep(ForwardMode.IDLE, [], []), replayed, start)
-        return produced
+        self._agreed = ag
+        return self._launch(plan or ScheduledStep(ForwardMode.IDLE, [], []), batch, start,
+                            ahead=running is not None)
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
+        """The agreed forward of the step being launched (``_launch_agreed``)."""
+        return self._forward_agreed(batch, self._agreed)
 
     def _forward_agreed(self, batch: ForwardBatch,
                         ag: StepAgreement) -> tuple[torch.Tensor, GraphReplayer | None]:

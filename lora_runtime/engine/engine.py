@@ -37,7 +37,7 @@ class GraphReplayer(Protocol):
 
 
 @dataclasses.dataclass
-class _Launched:
+class LaunchedStep:
     """A forward on the device whose tokens the host has not read yet."""
 
     plan: ScheduledStep
@@ -71,7 +71,7 @@ class Engine:
         self.graphs = list(graphs)
         self.keep_logits = keep_logits
         self.overlap = overlap
-        self._inflight: _Launched | None = None
+        self._inflight: LaunchedStep | None = None
         self._last_end: float | None = None
         self.clock = clock
         slots = self.lora.config.max_loras_per_batch if self.lora is not None else 1
@@ -189,6 +189,11 @@ class Engine:
             # kept logits) were taken from it by kernels enqueued before this launch.
             start = self._start_step()
             self._inflight = self._launch(ahead, self._build(ahead, cur), start, ahead=True)
+        return self._finish(cur)
+
+    def _finish(self, cur: LaunchedStep) -> list[tuple[Request, int]]:
+        """Reads ``cur``'s tokens (waiting for its device work alone), retires its requests and
+        records the step."""
         if cur.ready is not None:
             cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
         tokens = cur.host.tolist()
@@ -205,14 +210,14 @@ class Engine:
         return plan
 
     def _launch(self, plan: ScheduledStep, batch: ForwardBatch, start: float,
-                ahead: bool = False) -> _Launched:
+                ahead: bool = False) -> LaunchedStep:
         jit = self._jit_at_start
         samples = [not r.prefilling for r in plan.requests]  # ``batch`` cached their tokens
         logits, replayed = self.forward(batch)
         kept = logits.clone() if self.keep_logits else None
         tokens = logits.argmax(-1)
         if tokens.device.type != "cuda":
-            return _Launched(plan, samples, tokens, kept, replayed, start, jit, ahead,
+            return LaunchedStep(plan, samples, tokens, kept, replayed, start, jit, ahead,
                              host=tokens)
         # Hazard: reading ``tokens`` with ``tolist()`` would queue its copy behind the step
         # launched ahead on the same stream and wait for that one too (no overlap left). The
@@ -221,22 +226,24 @@ class Engine:
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(plan, samples, tokens, kept, replayed, start, jit, ahead, host=host,
+        return LaunchedStep(plan, samples, tokens, kept, replayed, start, jit, ahead, host=host,
                          ready=ready)
 
-    def _plan_ahead(self, cur: _Launched) -> ScheduledStep | None:
-        """The step after ``cur``, scheduled before ``cur``'s tokens are read, where no token
-        can change it but a stop token: none of ``cur``'s requests reaches its token limit
-        with this step's token (a request that ends by its length leaves the running set,
-        which the next schedule depends on). A request that samples a stop token instead has
+    def _plan_ahead(self, cur: LaunchedStep) -> ScheduledStep | None:
+        return self.scheduler.schedule() if self._may_run_ahead(cur) else None
+
+    def _may_run_ahead(self, cur: LaunchedStep) -> bool:
+        """Whether the step after ``cur`` may be scheduled before ``cur``'s tokens are read: no
+        token can change it but a stop token, as none of ``cur``'s requests reaches its token
+        limit with this step's token (a request that ends by its length leaves the running
+        set, which the next schedule depends on). A request that samples a stop token has
         its row of the step run ahead discarded (its KV slots are freed with it), and the
         scheduler, which still counted it running, may admit a waiting request a step later
         than a serial engine would. (A request that stopped before ``cur`` was read has its
         row there discarded: it changes nothing.)"""
-        if any(len(r.output) + 1 >= r.max_new_tokens and r.metrics.finish is None
-               for r, sampled in zip(cur.plan.requests, cur.samples, strict=True) if sampled):
-            return None
-        return self.scheduler.schedule()
+        return not any(len(r.output) + 1 >= r.max_new_tokens and r.metrics.finish is None
+                       for r, sampled in zip(cur.plan.requests, cur.samples, strict=True)
+                       if sampled)
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until every request is done (or ``max_steps``); returns the finished ones."""
@@ -270,7 +277,7 @@ class Engine:
                 return g.replay(batch), g
         return self.runner.forward_eager(batch), None
 
-    def _build(self, plan: ScheduledStep, running: _Launched | None = None) -> ForwardBatch:
+    def _build(self, plan: ScheduledStep, running: LaunchedStep | None = None) -> ForwardBatch:
         """``running``: the step still on the device whose tokens this one decodes from."""
         if plan.mode is not ForwardMode.DECODE:
             return build_extend(plan.requests, self.kv, self.runner.device, plan.chunks)
