@@ -29,8 +29,8 @@ TESTS = [
 ]
 BLOCK_TESTS = ("tests/test_graph_blocks.py", "tests/test_slot_reuse.py",
                "tests/test_prefill_prefix_graphs.py")
-DP_TESTS = ("tests/test_dp.py::test_dp_logits_equal_the_dp1_reference[2-skewed-False]",
-            "tests/test_dp.py::test_dp_logits_equal_the_dp1_reference[2-least_loaded-True]")
+DP_TESTS = ("tests/test_dp.py::test_dp_logits_equal_the_dp1_reference[2-skewed-False-False]",
+            "tests/test_dp.py::test_dp_logits_equal_the_dp1_reference[2-least_loaded-True-True]")
 
 
 @dataclass(frozen=True)
@@ -218,8 +218,8 @@ MUTANTS = [
            "a window's shrink gives a row the product with another slot's A as well",
            "kernels/lora_epilogue.py",
            (("m_mask & (slots == cur), cur,", "m_mask & (slots >= cur), cur,"),),
-           ("tests/test_fused_expand.py::test_fused_silu_mul_matches_expand_then_activation"
-            "[torch.float32-unshrunk_blocks]",)),
+           ("tests/test_fused_expand.py::"
+            "test_unshrunk_blocks_keep_each_slots_shrink_to_its_own_rows",)),
     Mutant("window_route_ignores_adapters_per_window",
            "SwiGLU takes an unshrunk term by windows however many adapters a window holds",
            "kernels/config.py",

@@ -120,12 +120,21 @@ def _draw_problem(data, g, widths_of, dtype, long_k: bool = False):
     requests = data.draw(st.lists(st.integers(0, slots), min_size=1, max_size=40))
     lens = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 5), min_size=len(requests),
                                                    max_size=len(requests))))
+    return _problem(g, slots, max_rank, widths, k, requests, lens, data.draw(st.integers(0, 7)),
+                    dtype)
+
+
+def _problem(g, slots, max_rank, widths, k, requests, lens, pad, dtype, ranks=None):
+    """``_draw_problem``'s problem from given values; ``ranks``: every slot's rank in every
+    slice (default: random)."""
     plan = plan_segments(requests, lens, block_m=16, skip_slot=slots)
     rows = plan.num_rows
-    padded = rows + data.draw(st.integers(0, 7))
+    padded = rows + pad
     layout = _layout(plan, rows, padded, slots)
     token_slots = plan.token_slots + [slots] * (padded - rows)
     w = _weights(g, slots, k, widths, max_rank, dtype)
+    if ranks is not None:
+        w.ranks[:slots] = ranks
     x = torch.randn(padded, k, generator=g).to(dtype).to(DEVICE)
     a = lora_shrink(x, w, layout)
     # Hazard poison: what the shrink leaves undefined must never reach the output.
@@ -171,6 +180,23 @@ def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dt
     gu = y.double().cpu() + lora_delta_f64(x, w, token_slots)
     ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert rel_err(got, ref) <= 4 * TOL[dtype]
+
+
+def test_unshrunk_blocks_keep_each_slots_shrink_to_its_own_rows(monkeypatch):
+    """A 16-row window holding rows of three slots (every rank set): SwiGLU's unshrunk term by
+    blocks gives each row its own slot's ``x @ A^T`` only (the random draws above meet such a
+    window in some runs, not all)."""
+    _force_epilogue(monkeypatch, "unshrunk_blocks")
+    g = torch.Generator().manual_seed(3)
+    inter, k = 16, 32
+    x, w, layout, token_slots, lora = _problem(g, 3, 16, [inter, inter], k, [0, 1, 2],
+                                               [3, 4, 5], 2, torch.float32, ranks=8)
+    assert len(set(token_slots[:16]) - {3}) == 3, "one window must hold all three slots"
+    y = torch.randn(x.shape[0], 2 * inter, generator=g).to(DEVICE)
+    got = silu_mul(y, _term("unshrunk_blocks", lora, x))
+    gu = y.double().cpu() + lora_delta_f64(x, w, token_slots)
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    assert rel_err(got, ref) <= 4 * TOL[torch.float32]
 
 
 def test_wide_blocks_only_for_extend_layouts():
