@@ -119,10 +119,7 @@ class DPEngine(Engine):
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """The agreed forward of the step being launched (``_launch_agreed``)."""
-        return self._forward_agreed(batch, self._agreed)
-
-    def _forward_agreed(self, batch: ForwardBatch,
-                        ag: StepAgreement) -> tuple[torch.Tensor, GraphReplayer | None]:
+        ag = self._agreed
         bucket, lora = self._choose(ag)
         if self.verify:
             with phase("collective"):

@@ -218,7 +218,7 @@ class Engine:
         tokens = logits.argmax(-1)
         if tokens.device.type != "cuda":
             return LaunchedStep(plan, samples, tokens, kept, replayed, start, jit, ahead,
-                             host=tokens)
+                                host=tokens)
         # Hazard: reading ``tokens`` with ``tolist()`` would queue its copy behind the step
         # launched ahead on the same stream and wait for that one too (no overlap left). The
         # copy to pinned memory is queued now, and the host waits on its event alone.
@@ -227,7 +227,7 @@ class Engine:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(plan, samples, tokens, kept, replayed, start, jit, ahead, host=host,
-                         ready=ready)
+                            ready=ready)
 
     def _plan_ahead(self, cur: LaunchedStep) -> ScheduledStep | None:
         return self.scheduler.schedule() if self._may_run_ahead(cur) else None
