@@ -12,6 +12,7 @@ import bisect
 
 import torch
 
+from kernels.decode_inputs import write_decode_inputs
 from lora_runtime.engine.forward_batch import (
     DecodeAttention,
     ExtendAttention,
@@ -44,6 +45,8 @@ class DecodeBuffers:
         self.logits_rows = torch.arange(bs, device=device)
         self.kv_indices, self.kv_lens = z(bs, max_context), torch.ones(bs, dtype=torch.long,
                                                                         device=device)
+        self._static = (self.input_ids, self.positions, self.out_cache_loc, self.kv_lens,
+                        self.kv_indices)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         if batch.mode is ForwardMode.IDLE:
@@ -70,9 +73,19 @@ class DecodeBuffers:
         )
 
     def write(self, batch: ForwardBatch | None, bucket: int) -> None:
-        """Copies ``batch`` into the first rows (None: idle) and neutralises the rest."""
+        """Copies ``batch`` into the first rows (None: idle) and neutralises the rest: on a
+        GPU in one launch (``kernels.decode_inputs``), else by ``write_by_torch``."""
         n = 0 if batch is None or batch.mode is ForwardMode.IDLE else batch.batch_size
         b = None if n == 0 else batch
+        if self.input_ids.device.type == "cuda":
+            src = None if b is None else (b.input_ids, b.positions, b.out_cache_loc,
+                                          b.attn.kv_lens, b.attn.kv_indices)
+            write_decode_inputs(self._static, src, bucket, KVCache.SCRATCH)
+        else:
+            self.write_by_torch(b, n, bucket)
+
+    def write_by_torch(self, b: ForwardBatch | None, n: int, bucket: int) -> None:
+        """``write`` of ``n`` rows of ``b`` (None: idle) by torch copies and fills."""
         _put(self.input_ids, b and b.input_ids, n, bucket, 0)
         _put(self.positions, b and b.positions, n, bucket, 0)
         _put(self.out_cache_loc, b and b.out_cache_loc, n, bucket, KVCache.SCRATCH)
