@@ -147,6 +147,30 @@ def test_non_finite_weights(runner, tmp_path, bad):
     _assert_unchanged(runner.lora, before)
 
 
+def test_weights_beyond_the_models_dtype():
+    """Finite in the adapter's own float32, infinite once cast to the model's float16."""
+    r = make_runtime(CFG, dtype=torch.float16, device=DEVICE, slots=2, max_rank=8,
+                     targets=("o_proj",))
+    r.lora.load_adapter("resident", random_adapter(CFG, "resident", 4, ("o_proj",), seed=1),
+                        pinned=True)
+    ad = random_adapter(CFG, "big", 4, ("o_proj",), seed=3)
+    ad.modules[(1, "o_proj")].b[0, 0] = 7e4
+    before = _snapshot(r.lora)
+    with pytest.raises(AdapterError, match=r"layers\.1\..*o_proj: lora_B holds values beyond "
+                                           r"torch\.float16's range"):
+        r.lora.load_adapter("big", ad)
+    _assert_unchanged(r.lora, before)
+
+
+def test_scaling_beyond_float32(runner):
+    ad = random_adapter(CFG, "big", 4, ("o_proj",), seed=3)
+    ad.modules[(0, "o_proj")].scaling = 1e39  # a finite Python float, inf in the kernels
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="scaling 1e\\+39 does not fit float32"):
+        runner.lora.load_adapter("big", ad)
+    _assert_unchanged(runner.lora, before)
+
+
 def test_duplicate_name(runner):
     before = _snapshot(runner.lora)
     with pytest.raises(AdapterError, match="already loaded"):

@@ -9,11 +9,17 @@ import collections
 import dataclasses
 
 import pytest
+import torch
 from conftest import DEVICE
 from engine_world import EngineWorld
 
+from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
+from lora_runtime.model.config import tiny
+from lora_runtime.model.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +38,10 @@ def test_bad_requests_are_refused_and_the_others_served(world):
         (dict(prompt_ids=[1] * 39, max_new_tokens=4), "KV-cache slots"),
         (dict(prompt_ids=[1] * 31, max_new_tokens=1), "chunked prefill is off"),
         (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt_ids=[1], max_new_tokens=4.5), "an integer"),  # reserved 4.5 KV slots
+        (dict(prompt_ids=[1], max_new_tokens=True), "an integer"),
+        (dict(prompt_ids=[1, 2.5]), "prompt token ids must be integers"),
+        (dict(prompt_ids=[1], stop_ids=[0.5]), "stop_ids token ids must be integers"),
         (dict(prompt_ids=[1, w.config.vocab_size]), "outside the vocabulary"),
     ]
     for kwargs, words in bad:
@@ -174,3 +184,14 @@ def test_a_request_past_the_models_positions_is_refused(world, monkeypatch):
     ok = eng.add_request([1] * 10, None, max_new_tokens=3)
     eng.run()
     w.check_request(eng, ok)
+
+
+def test_an_engine_without_lora_names_the_fix_for_adapter_calls():
+    runner = ModelRunner(LlamaForCausalLM.random(tiny(1), torch.float32, DEVICE),
+                         KVCache(tiny(1), 32, torch.float32, DEVICE), None)
+    eng = Engine(runner)
+    for call in (lambda: eng.load_adapter("x", "/nowhere"), lambda: eng.unload_adapter("x"),
+                 lambda: eng.pin_adapter("x")):
+        with pytest.raises(RuntimeError, match="no LoRA manager"):
+            call()
+    assert len(eng.generate([[1, 2, 3]], [None], 2)[0]) == 2  # the base model still serves

@@ -106,6 +106,23 @@ def test_warm_up_with_every_slot_pinned(world):
     assert report.steps > 0 and not eng.has_work and not eng.timeline
 
 
+def test_a_failed_warm_up_leaves_nothing_behind(world):
+    """Its phases served before the failure, and the request that failed, are forgotten: the
+    user's next request is the only one served."""
+    eng = world.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=16))
+    for _ in range(world.slots):
+        world.new_adapter(eng, pinned=True)
+    stranger = world.new_adapter(eng)  # no slot left for it: can never be admitted
+    free = world.runner.kv.free_slots
+    with pytest.raises(RuntimeError, match="can never be admitted"):
+        eng.warm_up([None, stranger])
+    assert not eng.has_work and not eng.timeline and not eng.finished and not eng.logits
+    assert world.runner.kv.free_slots == free
+    mine = eng.add_request([1, 2, 3], None, max_new_tokens=2)
+    eng.run()
+    assert eng.finished == [mine] and len(mine.output) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="Triton compiles only on a GPU")
 def test_no_step_compiles_after_the_warm_up():

@@ -62,9 +62,11 @@ class StepAgreement:
         return {a for r in self.ranks for a in r.running_adapters}
 
 
-def pool_digest(owners: Sequence[str | None]) -> int:
-    """A digest of the slot table that is the same in every process (``hash`` is not)."""
-    return zlib.crc32("\x1f".join(o or "" for o in owners).encode()) & 0x7FFFFFFF
+def pool_digest(owners: Sequence[str | None], loaded: Sequence[str] = ()) -> int:
+    """A digest of the slot table and of the loaded adapters' names (sorted: they number the
+    agreement's adapter ids) that is the same in every process (``hash`` is not)."""
+    text = "\x1f".join(o or "" for o in owners) + "\x1e" + "\x1f".join(loaded)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def agree(dp: DPGroup, mine: RankStep, max_requests: int, max_adapters: int) -> StepAgreement:
@@ -75,7 +77,7 @@ def agree(dp: DPGroup, mine: RankStep, max_requests: int, max_adapters: int) -> 
     _all_gather_into(out, packed, dp.cpu_group)
     ranks = tuple(_unpack(row) for row in out.view(dp.size, -1))
     if len({r.pool_digest for r in ranks}) != 1:
-        raise RuntimeError(f"{dp.name}: the ranks' adapter slot tables differ "
+        raise RuntimeError(f"{dp.name}: the ranks' loaded adapters or slot tables differ "
                            f"({[r.pool_digest for r in ranks]}): adapters must be loaded, "
                            "pinned and unloaded on every rank in the same order")
     return decide(ranks)
@@ -104,6 +106,13 @@ def confirm(dp: DPGroup, choice: tuple[int, ...]) -> None:
     if len(set(rows)) != 1:
         raise RuntimeError(f"{dp.name}: ranks chose different steps (rows, bucket, lora) "
                            f"{rows}: the step must follow the agreement on every rank")
+
+
+def ranks_with(dp: DPGroup, flag: bool) -> list[int]:
+    """The ranks whose ``flag`` is set (every rank calls it, and gets the same list)."""
+    out = torch.empty(dp.size, dtype=torch.int64)
+    _all_gather_into(out, torch.tensor([int(flag)], dtype=torch.int64), dp.cpu_group)
+    return [r for r, f in enumerate(out.tolist()) if f]
 
 
 def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:

@@ -4,7 +4,9 @@ on the step (``agreement``), then each runs the agreed forward (the same graph b
 variant on every rank, or eager with the same rows per rank), its MLP serving every rank's
 rows. Adapter residency agrees because every rank loads, pins and unloads the same adapters
 in the same order and acquires the same union of adapters each step; admission keeps that
-union within the slots by sharing the free slots among the ranks, a few per step."""
+union within the slots by sharing the free slots among the ranks, a few per step. The
+agreement names an adapter by its index among the loaded names, sorted, and checks that every
+rank has loaded the same names into the same slots."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from lora_runtime.dp.agreement import (
     agree,
     confirm,
     pool_digest,
+    ranks_with,
 )
 from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep
@@ -42,25 +45,42 @@ class DPEngine(Engine):
             raise ValueError(f"the model is sharded for {runner.dp.size} ranks, the group has "
                              f"{dp.size}")
         self.dp, self.verify = dp, verify
-        self.adapter_ids: dict[str, int] = {}
-        self._next_id = 0
         self.last: StepAgreement | None = None
+        self._idle_with_work = 0
+        """Agreed steps in a row where no rank ran rows but some rank had requests."""
         self._known: set[str] = set()
         self._steps = 0
         self._agreed: StepAgreement | None = None
         """The agreement of the step being launched (``forward`` runs what it decided)."""
 
     # -- adapters: every rank makes the same calls in the same order -------------------------
-    def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
-        super().load_adapter(name, source, pinned=pinned)
-        self.adapter_ids[name] = self._next_id
-        self._next_id += 1
-
     def unload_adapter(self, name: str) -> None:
+        """Refused on every rank while a request of any rank uses it (one host all-gather)."""
+        self._manager("unload_adapter")
+        mine = any(r.adapter == name for r in (*self.scheduler.waiting, *self.scheduler.running))
+        users = ranks_with(self.dp, mine)
+        if users:
+            raise ValueError(f"adapter {name!r} is used by requests of ranks {users}; unload it "
+                             "(on every rank) once they finish")
         super().unload_adapter(name)
-        del self.adapter_ids[name]
+
+    def _adapters_in_use(self) -> set[str]:
+        """Every rank's running adapters as of the last agreement (the same on every rank, so
+        every rank decides a pin alike)."""
+        return self._known | self.scheduler.running_adapters()
+
+    def _adapter_order(self) -> list[str]:
+        return sorted(self.lora.adapters) if self.lora is not None else []
 
     # -- the loop ---------------------------------------------------------------------------
+    def generate(self, prompts, adapters, max_new_tokens: int = 16) -> list[list[int]]:
+        """``Engine.generate`` of this rank's prompts (possibly none); every rank calls it, and
+        it steps until no rank has work."""
+        reqs = [self.add_request(p, a, max_new_tokens=max_new_tokens)
+                for p, a in zip(prompts, adapters, strict=True)]
+        self.run()
+        return [list(r.output) for r in reqs]
+
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until no rank has work (every rank must call it)."""
         n = 0
@@ -94,20 +114,19 @@ class DPEngine(Engine):
         self._share_free_slots()
         plan = self.scheduler.schedule()
         batch = None if plan is None else self._build(plan, running)
+        names = self._adapter_order()
         with phase("collective"):
-            ag = agree(self.dp, self._rank_step(plan, batch), self.config.max_batch_size,
+            ag = agree(self.dp, self._rank_step(plan, batch, names), self.config.max_batch_size,
                        self.scheduler.num_slots)
-        self.last = ag
-        names = {i: n for n, i in self.adapter_ids.items()}
-        self._known = {names[i] for i in ag.running_adapters if i in names}
+        self.last = ag  # ``agree`` checked that every rank loaded ``names``
+        self._known = {names[i] for i in ag.running_adapters}
         if ag.mode is ForwardMode.IDLE:
-            if plan is None and self.scheduler.waiting and not self.scheduler.running \
-                    and not ag.has_work:
-                raise RuntimeError(self._stuck_reason(self.scheduler.waiting[0]))
+            self._check_progress(ag)
             return None
+        self._idle_with_work = 0
         gathered = GatheredRows(
             ag.mode, ag.rows_per_rank,
-            tuple(tuple(names.get(a) if a >= 0 else None for a in r.adapters) for r in ag.ranks),
+            tuple(tuple(names[a] if a >= 0 else None for a in r.adapters) for r in ag.ranks),
             tuple(r.lens for r in ag.ranks))
         if batch is None:
             batch = ForwardBatch.idle(self.lora, self.runner.device, gathered)
@@ -116,6 +135,20 @@ class DPEngine(Engine):
         self._agreed = ag
         return self._launch(plan or ScheduledStep(ForwardMode.IDLE, [], []), batch, start,
                             ahead=running is not None)
+
+    def _check_progress(self, ag: StepAgreement) -> None:
+        """Raises on every rank alike once no rank has run rows for longer than the free
+        slots take to reach each rank (``_share_free_slots``) while some rank has requests:
+        they wait for an adapter that can never be admitted."""
+        self._idle_with_work = self._idle_with_work + 1 if ag.has_work else 0
+        if self._idle_with_work <= 2 * self.dp.size:
+            return
+        waiting = [r for r, step in enumerate(ag.ranks) if step.has_work]
+        reason = (self._stuck_reason(self.scheduler.waiting[0]) if self.scheduler.waiting
+                  else "its own requests run; see the error of the ranks that wait")
+        raise RuntimeError(f"{self.dp.name}: no rank ran a request for {self._idle_with_work} "
+                           f"steps while ranks {waiting} have requests waiting. Rank "
+                           f"{self.dp.rank}: {reason}")
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """The agreed forward of the step being launched (``_launch_agreed``)."""
@@ -134,10 +167,11 @@ class DPEngine(Engine):
         """The bucket (None: eager) and variant this rank runs: the agreed ones."""
         return ag.bucket if ag.use_graph else None, ag.lora
 
-    def _rank_step(self, plan: ScheduledStep | None, batch: ForwardBatch | None) -> RankStep:
-        ids = self.adapter_ids
+    def _rank_step(self, plan: ScheduledStep | None, batch: ForwardBatch | None,
+                   names: list[str]) -> RankStep:
+        ids = {n: i for i, n in enumerate(names)}
         running = sorted(ids[a] for a in self.scheduler.running_adapters())
-        digest = pool_digest(self.lora.pool.owner) if self.lora is not None else 0
+        digest = pool_digest(self.lora.pool.owner, names) if self.lora is not None else 0
         work = self.scheduler.has_work
         if plan is None:
             return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work)

@@ -130,33 +130,59 @@ class Engine:
     def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
         """Loads an adapter while requests run. A pinned one takes a slot for good, so it is
         refused when the running requests' adapters would no longer fit beside it."""
+        lora = self._manager("load_adapter")
         if pinned:
             self._check_pin(name)
-        self.lora.load_adapter(name, source, pinned=pinned)
+        lora.load_adapter(name, source, pinned=pinned)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        lora = self._manager("pin_adapter")
         if pinned:
             self._check_pin(name)
-        self.lora.pin_adapter(name, pinned)
+        lora.pin_adapter(name, pinned)
 
     def unload_adapter(self, name: str) -> None:
         """Refused while a waiting or running request uses it."""
+        lora = self._manager("unload_adapter")
         users = [r.id for r in (*self.scheduler.waiting, *self.scheduler.running)
                  if r.adapter == name]
         if users:
             raise ValueError(f"adapter {name!r} is used by requests {users[:8]}; unload it once "
                              "they finish")
-        self.lora.reset_lora_batch()  # the last step is done: its adapters may go
-        self.lora.unload_adapter(name)
+        lora.reset_lora_batch()  # the last step is done: its adapters may go
+        lora.unload_adapter(name)
+
+    def _manager(self, what: str):
+        if self.lora is None:
+            raise RuntimeError(f"Engine.{what}: this engine's runner has no LoRA manager (it "
+                               "serves the base model only); build the ModelRunner with a "
+                               "LoRAManager to serve adapters")
+        return self.lora
 
     def _check_pin(self, name: str) -> None:
-        need = self.scheduler.running_adapters() | set(self.lora.pool.pinned) | {name}
+        need = self._adapters_in_use() | set(self.lora.pool.pinned) | {name}
         if len(need) > self.lora.config.max_loras_per_batch:
             raise ValueError(
                 f"pinning {name!r} would leave {len(need)} adapters (running requests' and "
                 f"pinned) for {self.lora.config.max_loras_per_batch} slots. Unpin one or wait "
                 "for requests to finish")
         self.lora.reset_lora_batch()
+
+    def _adapters_in_use(self) -> set[str]:
+        """The adapters a pin must leave room for: the running requests'."""
+        return self.scheduler.running_adapters()
+
+    def _discard_all(self) -> None:
+        """Drops every request, queued or running (their KV slots freed), and the step in
+        flight: what a warm-up that failed half-way leaves behind."""
+        if self._inflight is not None and self._inflight.ready is not None:
+            self._inflight.ready.synchronize()  # its kernels still write the slots freed here
+        self._inflight = None
+        release(self.scheduler.running, self.kv)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        if self.lora is not None:
+            self.lora.reset_lora_batch()
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,10 @@ from lora_runtime.engine.metrics import RequestMetrics
 from lora_runtime.engine.slots import SlotList
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
@@ -36,8 +41,17 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("a request needs a non-empty prompt")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # A float budget (4.5) would reserve a fractional KV budget and sample past it.
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got "
+                             f"{self.max_new_tokens!r}")
+        for label, ids in (("prompt", self.prompt), ("stop_ids", self.stop_ids)):
+            bad = [t for t in ids if not _is_int(t)]
+            if bad:
+                raise ValueError(f"{label} token ids must be integers, got {bad[:5]!r}")
+        self.max_new_tokens = int(self.max_new_tokens)
+        self.prompt = [int(t) for t in self.prompt]
+        self.stop_ids = tuple(int(t) for t in self.stop_ids)
 
     def __setattr__(self, name, value) -> None:
         if name == "kv_slots" and not isinstance(value, SlotList):

@@ -108,17 +108,22 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     # Eagerly: a captured graph compiled its kernels at capture, and any step (under DP, a
     # step whose ranks disagree on the mode) may run eagerly.
     graphs, engine.graphs = engine.graphs, []
+    ids: list[int] = []
     try:
         for i, phase in enumerate(phases):
-            reqs = [engine.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
-                                     max_new_tokens=r.max_new_tokens) for r in phase]
+            for r in phase:
+                ids.append(engine.add_request(prompt_ids(r.prompt_len, vocab, i), r.adapter,
+                                              max_new_tokens=r.max_new_tokens).id)
             engine.run()
-            for r in reqs:
-                engine.logits.pop(r.id, None)
+    except BaseException:
+        engine._discard_all()  # a failed warm-up leaves no request behind either
+        raise
     finally:
         engine.graphs = graphs
-    steps = len(engine.timeline) - marks[0]
-    del engine.timeline[marks[0]:], engine.finished[marks[1]:]
+        for i in ids:
+            engine.logits.pop(i, None)
+        steps = len(engine.timeline) - marks[0]
+        del engine.timeline[marks[0]:], engine.finished[marks[1]:]
     jit = jit_watch.count()
     return WarmUpReport(time.perf_counter() - t0, steps,
                         None if jit is None else jit - jit0)

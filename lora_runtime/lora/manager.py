@@ -23,7 +23,7 @@ from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.slot_image import SlotImage, SlotWriter
 from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
 from lora_runtime.model.llama import LlamaForCausalLM
-from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, TENSOR_PARALLEL
+from lora_runtime.model.modules import BLOCK_OF, LAYER_MODULES, TENSOR_PARALLEL, module_path
 from lora_runtime.nvtx import phase
 
 
@@ -153,6 +153,7 @@ class LoRAManager:
         adapter.validate(self.model.config, self.config.max_rank, self.config.target_modules)
         self._check_base_layers(adapter)
         adapter = adapter.to(self.dtype)
+        _check_representable(adapter, self.dtype)
         image = SlotImage.pack(adapter, self.weights, self._local_weights, self.dtype,
                                pin=self.device.type == "cuda")
         if self.dp is None:  # unsharded: the adapter's tensors become views of its image
@@ -264,3 +265,19 @@ class LoRAManager:
         setattr(parent, attr, WRAPPERS[attr](base, self.backend, weights))
         self.weights[key] = weights
 
+
+def _check_representable(adapter: LoRAAdapter, dtype: torch.dtype) -> None:
+    """``adapter`` cast to the model's ``dtype``: its weights, finite in their own dtype
+    (``validate``), may not be in the model's (fp16 stops at 65504), nor its scalings in the
+    float32 the kernels read them in."""
+    for (layer, target), m in adapter.modules.items():
+        where = f"adapter {adapter.name!r}, {module_path(layer, target)}"
+        for label, t in (("lora_A", m.a), ("lora_B", m.b)):
+            if not torch.isfinite(t).all():
+                raise AdapterError(
+                    f"{where}: {label} holds values beyond {dtype}'s range (|x| <= "
+                    f"{torch.finfo(dtype).max:g}); rescale its weights (fold the factor into "
+                    "lora_alpha) or serve it on a model of a wider dtype")
+        if abs(m.scaling) > torch.finfo(torch.float32).max:
+            raise AdapterError(f"{where}: scaling {m.scaling:g} does not fit float32, in which "
+                               "the kernels read it; rescale lora_alpha or the weights")

@@ -3,8 +3,10 @@ model before it may enter the pool."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
 
@@ -66,19 +68,18 @@ class LoRAAdapter:
         enabled = set(enabled)
         if not self.modules:
             raise AdapterError(f"adapter {self.name!r} has no LoRA weights")
-        for (layer, target), m in self.modules.items():
+        for key, m in self.modules.items():
+            layer, target = _check_key(self.name, key, config)
             where = f"adapter {self.name!r}, {module_path(layer, target)}"
-            if target not in BY_NAME:
-                raise AdapterError(f"{where}: unknown target module {target!r}; supported: "
-                                   f"{sorted(BY_NAME)}")
             if target not in enabled:
                 raise AdapterError(
                     f"{where}: the runtime was built without LoRA on {target!r} (targets: "
                     f"{sorted(enabled)}). Add it to LoRAConfig.target_modules"
                 )
-            if layer is not None and not 0 <= layer < config.num_layers:
-                raise AdapterError(f"{where}: layer {layer} does not exist (the model has "
-                                   f"{config.num_layers})")
+            for label, t in (("lora_A", m.a), ("lora_B", m.b)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise AdapterError(f"{where}: {label} must be a 2-D tensor, got {got}")
             r = m.rank
             if r < 1:
                 raise AdapterError(f"{where}: rank must be >= 1, got {r}")
@@ -92,8 +93,9 @@ class LoRAAdapter:
                                        f"{want} for this model")
                 if not torch.isfinite(t).all():
                     raise AdapterError(f"{where}: {label} contains NaN or Inf")
-            if not (m.scaling == m.scaling and abs(m.scaling) < float("inf")):
-                raise AdapterError(f"{where}: scaling {m.scaling} is not finite")
+            if not is_finite_number(m.scaling):
+                raise AdapterError(f"{where}: scaling must be a finite number, got "
+                                   f"{m.scaling!r}")
         v, h = config.vocab_size, config.hidden_size
         for target, t in self.base_layers.items():
             want = (v, h)
@@ -102,6 +104,37 @@ class LoRAAdapter:
                     f"adapter {self.name!r} carries {target} weights of shape {tuple(t.shape)}, "
                     f"the model's are {want} (trained with a resized vocabulary?)"
                 )
+
+
+def _check_key(name: str, key, config: LlamaConfig) -> ModuleKey:
+    """``key`` as (layer, target) if it names a module of the model: a per-layer target with
+    an existing layer, a model-level one (embed_tokens, lm_head) with None."""
+    if not (isinstance(key, tuple) and len(key) == 2):
+        raise AdapterError(f"adapter {name!r}: module key {key!r} is not (layer, target)")
+    layer, target = key
+    where = f"adapter {name!r}, module key {key!r}"
+    if target not in BY_NAME:
+        raise AdapterError(f"{where}: unknown target module {target!r}; supported: "
+                           f"{sorted(BY_NAME)}")
+    if BY_NAME[target].block is None:
+        if layer is not None:
+            raise AdapterError(f"{where}: {target} is a model-level module, not part of a "
+                               f"decoder layer; key it (None, {target!r})")
+        return key
+    if layer is None:
+        raise AdapterError(f"{where}: {target} sits in every decoder layer; key it (layer, "
+                           f"{target!r}) with a layer in 0..{config.num_layers - 1}")
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise AdapterError(f"{where}: the layer must be an int, got {type(layer).__name__}")
+    if not 0 <= layer < config.num_layers:
+        raise AdapterError(f"{where}: layer {layer} does not exist (the model has "
+                           f"{config.num_layers})")
+    return key
+
+
+def is_finite_number(x) -> bool:
+    """A real, finite number; bool is not one (JSON's true would pass as 1)."""
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def expected_shapes(config: LlamaConfig, target: str, r: int):

@@ -17,13 +17,14 @@ from lora_runtime.lora.adapters.adapter import (
     LoRAAdapter,
     ModuleKey,
     ModuleLoRA,
+    is_finite_number,
     module_path,
 )
 from lora_runtime.model.modules import BY_NAME
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _LAYER_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
     r"\.lora_([AB])(?:\.default)?\.weight$"
 )
 _BASE_KEY = re.compile(
@@ -43,15 +44,18 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     path = Path(path)
     name = name or path.name
     cfg = _read_config(path)
-    tensors = _read_weights(path)
+    f = path / CONFIG
     r = cfg.get("r")
+    if not _is_positive_int(r):
+        raise AdapterError(f"{f}: 'r' must be a positive integer, got {r!r}")
     alpha = cfg.get("lora_alpha", r)
-    if not isinstance(r, int) or r < 1:
-        raise AdapterError(f"{path / CONFIG}: 'r' must be a positive integer, got {r!r}")
-    rank_pattern = cfg.get("rank_pattern") or {}
-    alpha_pattern = cfg.get("alpha_pattern") or {}
-    use_rslora = bool(cfg.get("use_rslora", False))
+    if not is_finite_number(alpha):
+        raise AdapterError(f"{f}: 'lora_alpha' must be a finite number, got {alpha!r}")
+    rank_pattern = _patterns(cfg, "rank_pattern", _is_positive_int, "a positive integer", f)
+    alpha_pattern = _patterns(cfg, "alpha_pattern", is_finite_number, "a finite number", f)
+    use_rslora = _flag(cfg, "use_rslora", f)
     targets = _targets(cfg.get("target_modules"), path)
+    tensors = _read_weights(path)
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     base_layers = {}
     for key, t in tensors.items():
@@ -73,7 +77,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
         if a.dim() != 2 or b.dim() != 2:
             raise AdapterError(f"{where}: lora_A/lora_B must be 2-D, got {tuple(a.shape)} and "
                                f"{tuple(b.shape)}")
-        mod_r = int(_pattern_value(rank_pattern, module_path(*mk), r))
+        mod_r = _pattern_value(rank_pattern, module_path(*mk), r)
         if a.shape[0] != mod_r or b.shape[1] != mod_r:
             raise AdapterError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
                                f"not have rank {mod_r} as the config says")
@@ -90,13 +94,8 @@ def save_peft_adapter(adapter: LoRAAdapter, path: str | Path, base_model: str = 
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for (layer, target), m in adapter.modules.items():
-        prefix = f"base_model.model.{module_path(layer, target)}"
-        if target == "embed_tokens":
-            tensors[f"{prefix}.lora_embedding_A"] = m.a.contiguous()
-            tensors[f"{prefix}.lora_embedding_B"] = m.b.contiguous()
-        else:
-            tensors[f"{prefix}.lora_A.weight"] = m.a.contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = m.b.contiguous()
+        tensors[_peft_key(layer, target, "A")] = m.a.contiguous()
+        tensors[_peft_key(layer, target, "B")] = m.b.contiguous()
     save_file(tensors, str(path / WEIGHTS))
     cfg = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -125,7 +124,7 @@ def _read_config(path: Path) -> dict:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{f}: peft_type {cfg['peft_type']!r} is not LORA")
     for key, (bad, why) in _UNSUPPORTED.items():
-        if cfg.get(key) == bad:
+        if _flag(cfg, key, f) == bad:
             raise AdapterError(f"{f}: {why} ({key}={bad})")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"{f}: bias={cfg['bias']!r} is not supported (LoRA biases); "
@@ -155,10 +154,18 @@ def _targets(raw, path: Path) -> set[str] | None:
     if raw == "all-linear":
         return set(LINEAR_TARGETS)
     if isinstance(raw, str):
+        try:
+            re.compile(raw)
+        except re.error as e:
+            raise AdapterError(f"{path / CONFIG}: target_modules {raw!r} is not a valid "
+                               f"regex: {e}") from e
         return None
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise AdapterError(f"{path / CONFIG}: target_modules must be a list of module names "
+                           f"(or a regex string, or 'all-linear'), got {raw!r}")
     names = set()
     for t in raw:
-        leaf = str(t).rsplit(".", 1)[-1]
+        leaf = t.rsplit(".", 1)[-1]
         if leaf not in BY_NAME:
             raise AdapterError(f"{path / CONFIG}: unknown target module {t!r}; supported: "
                                f"{sorted(BY_NAME)}")
@@ -169,10 +176,16 @@ def _targets(raw, path: Path) -> set[str] | None:
 def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
     m = _LAYER_KEY.match(key)
     if m:
-        layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
+        layer, block, target, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if target not in BY_NAME:
             raise AdapterError(f"{path / WEIGHTS}: key {key!r} targets unknown module "
                                f"{target!r}; supported: {sorted(BY_NAME)}")
+        home = BY_NAME[target].block
+        if home != block:
+            where = "at model level" if home is None else f"in each layer's {home}"
+            right = _peft_key(None if home is None else layer, target, ab)
+            raise AdapterError(f"{path / WEIGHTS}: key {key!r} puts {target} in layer {layer}'s "
+                               f"{block}, but {target} sits {where}; expected {right!r}")
         return (layer, target), ab
     m = _TOP_KEY.match(key)
     if m:
@@ -181,8 +194,50 @@ def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
                        "Llama module)")
 
 
+def _peft_key(layer: int | None, target: str, ab: str) -> str:
+    prefix = f"base_model.model.{module_path(layer, target)}"
+    if target == "embed_tokens":
+        return f"{prefix}.lora_embedding_{ab}"
+    return f"{prefix}.lora_{ab}.weight"
+
+
+def _is_positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _flag(cfg: dict, key: str, f: Path) -> bool:
+    value = cfg.get(key)
+    if value is None:  # absent or null: off, as PEFT reads it
+        return False
+    if not isinstance(value, bool):
+        raise AdapterError(f"{f}: {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _patterns(cfg: dict, key: str, valid, what: str, f: Path) -> dict:
+    """``cfg[key]``: module-name regexes to values, each checked the way it will be used."""
+    raw = cfg.get(key)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{f}: {key!r} must be an object of module regex -> value, got "
+                           f"{raw!r}")
+    for pat, value in raw.items():
+        try:
+            _pattern_regex(pat)
+        except re.error as e:
+            raise AdapterError(f"{f}: {key} key {pat!r} is not a valid regex: {e}") from e
+        if not valid(value):
+            raise AdapterError(f"{f}: {key}[{pat!r}] must be {what}, got {value!r}")
+    return raw
+
+
+def _pattern_regex(pat: str) -> re.Pattern:
+    return re.compile(rf"(.*\.)?({pat})$")
+
+
 def _pattern_value(patterns: dict, module: str, default):
     for pat, value in patterns.items():
-        if re.match(rf"(.*\.)?({pat})$", module):
+        if _pattern_regex(pat).match(module):
             return value
     return default

@@ -1,0 +1,66 @@
+"""One DP rank of the control-path tests (spawned processes): what must be decided alike on
+every rank, or refused alike, for the ranks to stay in lockstep. Each scenario records what
+happened on this rank; ``tests/test_dp_control.py`` compares the ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from dp_world import CONFIG, SLOTS, adapters
+from runtime_helpers import ALL_TARGETS
+
+from lora_runtime.dp.dp_engine import DPEngine
+from lora_runtime.dp.group import init_dp, shutdown
+from lora_runtime.dp.shard import shard_mlp
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.scheduler import SchedulerConfig
+from lora_runtime.lora.lora_config import LoRAConfig
+from lora_runtime.lora.manager import LoRAManager
+from lora_runtime.model.llama import LlamaForCausalLM
+
+PROMPTS = {"ad0": [1, 2, 3], "ad1": [4, 5, 6, 7], "ad2": [8, 9]}
+
+
+def control_rank(rank: int, size: int, out_dir: str) -> None:
+    dp = init_dp(torch.device("cpu"))
+    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
+    shard_mlp(model, dp)
+    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
+    eng = DPEngine(ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora), dp,
+                   SchedulerConfig(max_batch_size=4, max_step_tokens=16), keep_logits=True)
+    ads = adapters()
+    # The same adapters in another order on each rank: their names, not the order, count.
+    for ad in ads if rank == 0 else ads[::-1]:
+        eng.load_adapter(ad.name, ad)
+    log: dict[str, object] = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            log[key] = "ok"
+        except (ValueError, RuntimeError) as e:
+            log[key] = f"{type(e).__name__}: {e}"
+
+    # Rank 0 runs ad0 and ad1, rank 1 ad2: every slot is held.
+    mine = ["ad0", "ad1"] if rank == 0 else ["ad2"]
+    reqs = {a: eng.add_request(PROMPTS[a], a, max_new_tokens=6) for a in mine}
+    for _ in range(2):
+        eng.step()
+    attempt("pin ad3", lambda: eng.pin_adapter("ad3"))
+    attempt("unload ad0", lambda: eng.unload_adapter("ad0"))
+    eng.run()
+    log["outputs"] = {a: (list(r.output), [t.clone() for t in eng.logits[r.id]])
+                      for a, r in reqs.items()}
+    # generate: each rank its own lengths; every rank returns once no rank has work.
+    log["generate"] = eng.generate([[3, 1, 4]], [None], 2 if rank == 0 else 5)
+    # Every slot pinned, and a request on a fourth adapter on rank 0: no rank can ever run.
+    for a in ("ad0", "ad1", "ad2"):
+        eng.pin_adapter(a)
+    if rank == 0:
+        eng.add_request([5, 5], "ad3", max_new_tokens=2)
+    attempt("stuck", lambda: eng.run(max_steps=50))
+    log["stuck steps"] = len(eng.timeline)
+    torch.save(log, Path(out_dir, f"control{rank}.pt"))
+    shutdown(torch.device("cpu"))
