@@ -56,7 +56,14 @@ size, so every size fills its ranks' batches alike and the sizes compare per ran
 
 def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
     cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if cuda and local >= torch.cuda.device_count():
+        # NCCL refuses two ranks on one GPU ("invalid usage") deep inside the first collective.
+        raise SystemExit(f"bench.dp_bench: rank {rank} (local {local}) has no GPU of its own: "
+                         f"{torch.cuda.device_count()} visible, one rank a GPU (NCCL). Launch "
+                         "fewer ranks a node, or run gloo ranks on the CPU with "
+                         "CUDA_VISIBLE_DEVICES=''")
+    device = torch.device(f"cuda:{local}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:  # gloo ranks share the cores: split them

@@ -179,7 +179,8 @@ def test_torchrun_launches_the_dp_benchmark(tmp_path):
     if not torchrun.exists():
         pytest.skip("torchrun is not installed beside this python")
     out = tmp_path / "dp.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # gloo on the CPU on any machine (on one GPU, two NCCL ranks would share it: refused)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
                         str(free_port()), "-m", "bench.dp_bench", "--preset", "tiny",
                         "--layers", "1", "--adapters", "2", "--loads", "skewed",
