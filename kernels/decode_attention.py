@@ -197,8 +197,9 @@ def decode_attention(
     check(kv_indices.dim() == 2 and kv_indices.shape[0] == bs and kv_indices.stride(1) == 1,
           lambda: f"kv_indices must be [{bs}, max_context] with contiguous rows, got shape "
           f"{tuple(kv_indices.shape)} strides {kv_indices.stride()}")
-    check(tuple(kv_lens.shape) == (bs,), lambda: f"kv_lens must be [{bs}], got "
-          f"{tuple(kv_lens.shape)}")
+    check(tuple(kv_lens.shape) == (bs,) and (bs <= 1 or kv_lens.stride(0) == 1),
+          lambda: f"kv_lens must be a contiguous [{bs}], got shape {tuple(kv_lens.shape)} "
+          f"strides {kv_lens.stride()}")
     for name, t in (("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         check(t.dtype in (torch.int32, torch.int64) and t.device == q.device,
               lambda: f"{name} must be int32/int64 on {q.device}, got {t.dtype} on {t.device}")

@@ -56,6 +56,8 @@ def write_decode_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, 
           "write_decode_inputs takes int64 tensors")
     check(table.stride(1) == 1 and (src is None or src[4].stride(1) == 1),
           "kv_indices rows must be contiguous")
+    check(all(t.numel() <= 1 or t.stride(0) == 1 for t in dst[:4] + (src or ())[:4]),
+          "ids, positions, cache slots and lengths must be contiguous vectors")
     if src is None:
         src = dst  # never read: every row is padding
         width = 0

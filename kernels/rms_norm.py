@@ -101,6 +101,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
           f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
     check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
           f"expected ({x.shape[1]},) (the hidden size of x)")
+    check(weight.is_floating_point() and (weight.numel() <= 1 or weight.stride(0) == 1),
+          lambda: f"weight must be a contiguous floating-point vector, got {weight.dtype} "
+          f"with stride {weight.stride()}")
     if lora is not None:
         lora.check(x, "rms_norm")
     delta = lora.delta if isinstance(lora, LoRADelta) else None

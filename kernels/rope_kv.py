@@ -194,6 +194,11 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     check(positions.shape == (t,) and cache_loc.shape == (t,),
           lambda: f"positions and cache_loc must have one entry per token ({t}), got "
           f"{tuple(positions.shape)} and {tuple(cache_loc.shape)}")
+    for name, idx in (("positions", positions), ("cache_loc", cache_loc)):
+        # The kernels read entry i at ``ptr + i``: a strided view would write other slots.
+        check(idx.dtype in (torch.int32, torch.int64) and (t <= 1 or idx.stride(0) == 1),
+              lambda: f"{name} must be a contiguous int32/int64 vector, got {idx.dtype} with "
+              f"stride {idx.stride()}; pass {name}.contiguous()")
     check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == head_dim
           and cos.stride(1) == 1 and sin.stride() == cos.stride(),
           lambda: f"cos/sin tables must be [positions, {head_dim}] with contiguous rows")
