@@ -64,7 +64,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def report(session: nox.Session) -> None:
-    """HTML report of result files or run folders (default: the newest run folder).
+    """HTML report of result files or run folders (default: the newest run folder holding
+    result files; other JSON in a folder, e.g. a profile run's trace, is skipped).
     ``nox -s report -- results/runs/<run> --baseline results/kernels-nvidia-h200.json``."""
     session.run(_python(session), "-m", "bench.report", *session.posargs)
 
@@ -91,5 +92,6 @@ def hostbench(session: nox.Session) -> None:
     """Host-path benchmarks (pytest-benchmark): saves the run under results/runs/host/ and
     compares it with the previous run of this device, failing past ``--threshold`` (1.5x the
     median). ``nox -s hostbench -- --baseline results/host-cpu.json -k plan``; ``--publish``
-    writes the committed reference. See ``python -m bench.host --help``."""
+    writes the committed reference (a run of every benchmark only: not with ``-k``). See
+    ``python -m bench.host --help``."""
     session.run(_python(session), "-m", "bench.host", *session.posargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
     run = provenance.collect(device) | {"profile": profile, "suite_seconds": {}}
     slug = provenance.device_slug(device)
     out = args.out or RESULTS / "runs" / f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{slug}"
+    files = [f"{name}-{slug}.json" for name in todo]
+    prepare_out(out, files, RESULTS if args.publish else None)
     ceil = hardware.measure(device, PROFILES[profile].dtype)
     run["ceilings"] = ceil.as_dict()
     tele = Telemetry.open(device)
@@ -112,6 +115,27 @@ def main(argv=None) -> int:
     if not args.no_report:
         _report(out)
     return 1 if any(r.startswith("!") for r in summary) else 0
+
+
+def prepare_out(out: Path, files: list[str], published: Path | None) -> None:
+    """Before anything is measured: ``out`` is (made) a writable folder, and the result files
+    this run will upsert into, there and in ``published``, are readable result files."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out} is a file, not a folder: give a folder (it is created "
+                         "when missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {out}: cannot create the folder ({e.strerror}): give a "
+                         "writable folder") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SystemExit(f"--out {out}: the folder is not writable: give a writable folder")
+    for path in [out / f for f in files] + [published / f for f in files if published]:
+        if path.exists():
+            try:
+                results.load(path)
+            except results.ResultFileError as e:
+                raise SystemExit(f"error: {e} (this run would add its rows to it)") from None
 
 
 def run_suite(name, cases, ctx, tele, run, out, slug, publish) -> list[dict]:
@@ -163,5 +187,9 @@ def _report(out: Path) -> None:
         print(f"no report: {e} (pip install plotly, then python -m bench.report {out})")
         return
     html = out / "report.html"
-    report.write_report([out], [], html)
+    try:
+        report.write_report([out], [], html)
+    except results.ResultFileError as e:
+        print(f"no report: {e}")
+        return
     print(f"report: {html}", file=sys.stdout)

@@ -15,7 +15,14 @@ MODEL_DERIVED = ("graph_kind", "tokens_per_s", "weight_bytes", "floor_us", "x_fl
 PRESET_OF_PROFILE = {"gpu": "llama3-8b", "gpu-quick": "llama3-8b", "cpu": "tiny"}
 
 
+class NotAResultFile(ValueError):
+    """JSON that is not a benchmark result file (pytest-benchmark output, a profiler trace)."""
+
+
 def to_current(data: dict) -> dict:
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        keys = sorted(data)[:4] if isinstance(data, dict) else type(data).__name__
+        raise NotAResultFile(f"not a benchmark result file (no 'rows' list; found {keys})")
     if data.get("schema", 1) >= 2:
         return data
     runs = {k: v | {"run_id": v.get("run_id", k)} for k, v in data.get("runs", {}).items()}

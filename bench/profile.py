@@ -18,13 +18,15 @@ import torch
 
 from bench import case as case_mod
 from bench import cli, provenance
+from bench.profiles import PROFILES
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
     p.add_argument("filter", help="a regex matching exactly one case label (see python -m "
                                   "bench --list)")
-    p.add_argument("--profile", default="auto", help="bench profile (default: auto)")
+    p.add_argument("--profile", default="auto", choices=("auto", *PROFILES),
+                   help="bench profile (default: auto)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR")
     p.add_argument("--torch", action="store_true", help="use the torch profiler even with nsys")
     args = p.parse_args(argv)

@@ -1,10 +1,13 @@
-"""``python -m bench.report [RESULT FILES or RUN FOLDERS ...] [--baseline FILE ...] -o
+"""``python -m bench.report [RESULT FILES or RUN FOLDERS ...] [--baseline PATH]... -o
 report.html``: one self-contained HTML file (plotly.js inline, opens offline) with the
 environment of each run, headline tables, verification status, the charts of
 ``bench.report_charts`` (placeholders where a suite has no rows yet) and, with
 ``--baseline``, the change of every case's median time, regressions flagged.
 
-Without paths: the newest run folder under ``results/runs/``."""
+Without paths: the newest run folder under ``results/runs/`` that holds result files. JSON
+files of a folder that are not result files (a profiler trace) are skipped with a note; rows of
+a case run more than once are shown from the latest run; each device gets its own tables and
+charts."""
 
 from __future__ import annotations
 
@@ -77,10 +80,10 @@ def verification(rows: list[dict]) -> str:
 
 
 def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
-    base = {results.row_id(r): r for r in base_rows if r.get("stats")}
+    base = {(r.get("device"), results.row_id(r)): r for r in base_rows if r.get("stats")}
     pairs, cells = [], []
     for r in rows:
-        b = base.get(results.row_id(r))
+        b = base.get((r.get("device"), results.row_id(r)))
         if b is None or not r.get("stats"):
             continue
         ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
@@ -101,18 +104,46 @@ def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
 
 
 def kernel_headline(rows: list[dict]) -> str:
-    """Per module and token count, the case with the most adapters and the highest rank; the
-    full table folded below."""
+    """Per module and token count (of one preset and dtype), the case with the most adapters
+    and the highest rank; the full table folded below."""
     if not rows:
         return "<p>No kernel rows.</p>"
+
+    def key(r):
+        return r.get("device"), r.get("preset"), r.get("dtype"), r["module"], r["tokens"]
+
     top: dict[tuple, tuple] = {}
     for r in rows:
-        k = (r["module"], r["tokens"])
-        top[k] = max(top.get(k, (0, 0)), (r["adapters"], r["rank"]))
-    head = [r for r in rows if top[(r["module"], r["tokens"])] == (r["adapters"], r["rank"])]
+        top[key(r)] = max(top.get(key(r), (0, 0)), (r["adapters"], r["rank"]))
+    head = [r for r in rows if top[key(r)] == (r["adapters"], r["rank"])]
     return (_table(*table.kernel_cells(head))
             + f"<details><summary>all {len({results.case_id(r) for r in rows})} kernel cases"
             f"</summary>{_table(*table.kernel_cells(rows))}</details>")
+
+
+def with_device(rows: list[dict], runs: dict) -> list[dict]:
+    """Rows with their run's device, so rows of different devices are never one case."""
+    return [r | {"device": runs.get(r.get("run_id"), {}).get("device", "")} for r in rows]
+
+
+def per_device(rows: list[dict], section) -> str:
+    """``section(rows, device)`` once per device, under the device's name when there are
+    several (a CPU interpreter figure must never stand beside or replace a GPU one)."""
+    devices = sorted({r.get("device", "") for r in rows})
+    if len(devices) <= 1:
+        return section(rows, "")
+    return "".join(f"<h3>{html.escape(d or 'unknown device')}</h3>"
+                   + section([r for r in rows if r.get("device", "") == d], d)
+                   for d in devices)
+
+
+def _charts(chart, placeholder: str):
+    def section(rows, device):
+        figs = chart(rows)
+        for f in figs if device else ():
+            f.update_layout(title=f"{f.layout.title.text} ({device})")
+        return _figs_html(figs, placeholder)
+    return section
 
 
 def _figs_html(figs, placeholder: str = "") -> str:
@@ -123,38 +154,47 @@ def _figs_html(figs, placeholder: str = "") -> str:
                    for f in figs)
 
 
-def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None) -> str:
-    kernel_rows = [r for r in rows if r["suite"] == "kernels"]
-    model_rows = [r for r in rows if r["suite"] == "model"]
+def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None,
+          base_runs: dict | None = None) -> str:
+    rows, superseded = results.latest_per_case(with_device(rows, runs), runs)
+
+    def charts_of(chart, placeholder):
+        return per_device(rows, _charts(chart, placeholder))
+
     parts = [
         "<h1>multilora-graphs benchmark report</h1>",
         ('<p class="bad">CPU runs: their times are wall clock of the Triton interpreter and '
          'Python; they prove the pipeline and mean nothing as performance figures.</p>'
          if any(r.get("device") == "cpu" for r in runs.values()) else ""),
         "<h2>Environment</h2>", environment(runs),
-        "<h2>Verification</h2>", verification(rows),
-        "<h2>Headline: kernels (median us)</h2>", kernel_headline(kernel_rows),
+        (f'<p class="note">{superseded} rows superseded by later runs of the same case (only '
+         'the latest run of a case is shown).</p>' if superseded else ""),
+        "<h2>Verification</h2>", per_device(rows, lambda rs, _: verification(rs)),
+        "<h2>Headline: kernels (median us)</h2>",
+        per_device([r for r in rows if r["suite"] == "kernels"],
+                   lambda rs, _: kernel_headline(rs)),
         "<h2>Headline: whole-model step, decode and prefill (median us)</h2>",
-        _table(*table.model_cells(model_rows)) if model_rows else "<p>No model rows.</p>",
-        "<h2>LoRA % of base vs tokens</h2>", _figs_html(charts.kernel_pct_of_base(rows),
-                                                        "No kernel rows."),
+        per_device([r for r in rows if r["suite"] == "model"], lambda rs, _: (
+            _table(*table.model_cells(rs)) if rs else "<p>No model rows.</p>")),
+        "<h2>LoRA % of base vs tokens</h2>",
+        charts_of(charts.kernel_pct_of_base, "No kernel rows."),
         "<h2>What LoRA adds to a module in a graph</h2>",
-        _figs_html(charts.kernel_added_to_module(rows), "No module rows."),
-        "<h2>x floor</h2>", _figs_html(charts.kernel_x_floor(rows), "No kernel rows."),
-        "<h2>Graph vs eager</h2>", _figs_html(charts.model_graph_vs_eager(rows),
-                                              "No model rows."),
-        "<h2>LoRA cost in the model step</h2>", _figs_html(charts.model_lora_cost(rows),
-                                                           "No model rows with LoRA."),
+        charts_of(charts.kernel_added_to_module, "No module rows."),
+        "<h2>x floor</h2>", charts_of(charts.kernel_x_floor, "No kernel rows."),
+        "<h2>Graph vs eager</h2>", charts_of(charts.model_graph_vs_eager, "No model rows."),
+        "<h2>LoRA cost in the model step</h2>",
+        charts_of(charts.model_lora_cost, "No model rows with LoRA."),
         "<h2>Base decode step vs its floor</h2>",
-        _figs_html(charts.base_step(rows), PLACEHOLDERS["base_step"]),
-        "<h2>Attention vs its floor</h2>",
-        _figs_html(charts.attention(rows), PLACEHOLDERS["attention"]),
+        charts_of(charts.base_step, PLACEHOLDERS["base_step"]),
+        "<h2>Attention vs its floor</h2>", charts_of(charts.attention, PLACEHOLDERS["attention"]),
         "<h2>Throughput vs adapters and popularity</h2>",
-        _figs_html(charts.throughput(rows), PLACEHOLDERS["throughput"]),
-        "<h2>Idle-path overhead</h2>", _figs_html(charts.idle(rows), PLACEHOLDERS["idle"]),
-        "<h2>DP scaling</h2>", _figs_html(charts.dp(rows), PLACEHOLDERS["dp"]),
+        charts_of(charts.throughput, PLACEHOLDERS["throughput"]),
+        "<h2>Idle-path overhead</h2>", charts_of(charts.idle, PLACEHOLDERS["idle"]),
+        "<h2>DP scaling</h2>", charts_of(charts.dp, PLACEHOLDERS["dp"]),
     ]
     if base_rows is not None:
+        base_runs = base_runs or {}
+        base_rows = results.latest_per_case(with_device(base_rows, base_runs), base_runs)[0]
         text, pairs = deltas(rows, base_rows)
         parts += ["<h2>Change vs baseline</h2>", text, _figs_html(charts.deltas(pairs))]
     return PAGE.format(plotly=get_plotlyjs(), body="\n".join(parts))
@@ -177,20 +217,36 @@ th {{ background: #f3f3f3; }} td:first-child {{ text-align: left; }}
 """
 
 
-def write_report(paths: list[Path], baseline: list[Path], out: Path) -> Path:
+def write_report(paths: list[Path], baseline: list[Path], out: Path,
+                 need_rows: bool = False) -> Path:
+    """The report of ``paths`` against ``baseline``; ``need_rows``: no rows is an error."""
     rows, runs = results.rows_of(paths)
-    base_rows = results.rows_of(baseline)[0] if baseline else None
+    if need_rows and not rows:
+        raise SystemExit("no result rows in " + ", ".join(map(str, paths)))
+    base_rows, base_runs = results.rows_of(baseline) if baseline else (None, None)
+    superseded = results.latest_per_case(with_device(rows, runs), runs)[1]
+    if superseded:
+        print(f"note: {superseded} rows superseded by later runs of the same case (the "
+              "report shows the latest run of each case)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build(rows, runs, base_rows))
+    out.write_text(build(rows, runs, base_rows, base_runs))
     return out
+
+
+def newest_run_folder(runs_dir: Path) -> Path | None:
+    """The newest run folder (``<YYYYmmdd-HHMMSS>-<device>``) holding result files; a profile
+    run's folder may hold only a trace."""
+    folders = sorted((p for p in runs_dir.glob("*/") if p.name[:8].isdigit()), reverse=True)
+    return next((p for p in folders if results.holds_results(p)), None)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", type=Path, help="result JSON files or run folders")
-    p.add_argument("--baseline", nargs="+", type=Path, default=[],
-                   help="result files or run folders to compare with")
+    p.add_argument("--baseline", action="append", type=Path, default=[], metavar="PATH",
+                   help="a result file or run folder to compare with (repeat the flag for "
+                        "several)")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="HTML file (default: report.html in the first run folder given)")
     p.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
@@ -199,16 +255,23 @@ def main(argv=None) -> int:
     paths = args.paths
     if not paths:
         # Run folders are <YYYYmmdd-HHMMSS>-<device>; results/runs/host/ holds host-path runs.
-        runs = sorted(p for p in (ROOT / "results" / "runs").glob("*/") if p.name[:8].isdigit())
-        if not runs:
-            raise SystemExit("no result paths given and no run folder under results/runs/; "
-                             "run python -m bench first or pass result files")
-        paths = [runs[-1]]
+        try:
+            newest = newest_run_folder(ROOT / "results" / "runs")
+        except results.ResultFileError as e:
+            raise SystemExit(f"error: {e}") from None
+        if newest is None:
+            raise SystemExit("no result paths given and no run folder with result files under "
+                             "results/runs/; run python -m bench first or pass result files")
+        print(f"reporting the newest run folder: {newest}")
+        paths = [newest]
     missing = [str(q) for q in [*paths, *args.baseline] if not q.exists()]
     if missing:
         raise SystemExit(f"no such result file or folder: {', '.join(missing)}")
     out = args.output or ((paths[0] if paths[0].is_dir() else paths[0].parent) / "report.html")
-    write_report(paths, args.baseline, out)
+    try:
+        write_report(paths, args.baseline, out, need_rows=True)
+    except results.ResultFileError as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"report: {out}")
     if args.screenshot:
         screenshot(out, args.screenshot)

@@ -37,14 +37,19 @@ def _kernel_by_module(rows, field: str, title: str, y: str, log_y=False,
                       provider="triton") -> list[go.Figure]:
     tri = [r for r in rows if r["suite"] == "kernels" and r.get("provider") == provider
            and r.get("stats")]
+    def setup(r):
+        return r.get("preset"), r.get("dtype")
+
+    several = len({setup(r) for r in tri}) > 1  # named in the title only where rows differ
     figs = []
-    for module in dict.fromkeys(r["module"] for r in tri):
+    for module, su in dict.fromkeys((r["module"], setup(r)) for r in tri):
         series = defaultdict(list)
         for r in tri:
-            if r["module"] == module and r["derived"].get(field) is not None:
+            if (r["module"], setup(r)) == (module, su) and r["derived"].get(field) is not None:
                 series[(r["adapters"], r["rank"])].append((r["tokens"], r["derived"][field]))
         named = {f"adapters={a} r={rk}": pts for (a, rk), pts in sorted(series.items())}
-        figs.append(_lines(_fig(f"{title}: {module}", "tokens (T)", y, log_x=True,
+        name = f"{module} {su[0]} {su[1]}" if several else module
+        figs.append(_lines(_fig(f"{title}: {name}", "tokens (T)", y, log_x=True,
                                 log_y=log_y), named))
     return figs
 

@@ -23,6 +23,7 @@ Files of schema 1 (flat stats, no verification) are migrated when read (``bench.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from bench import migrate
@@ -52,10 +53,28 @@ def row_id(row: dict) -> tuple:
     return (*case_id(row), *((k, row.get(k)) for k in row["variant"]))
 
 
+class ResultFileError(ValueError):
+    """A result file that cannot be read; the message names the file and what is wrong."""
+
+
+class NotAResultFile(ResultFileError):
+    """A JSON file that is not a result file (pytest-benchmark output, a profiler trace)."""
+
+
 def load(path: Path) -> dict:
     """A result file, migrated to the current schema in memory."""
-    data = json.loads(Path(path).read_text())
-    return migrate.to_current(data)
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        what = (f"{e.msg} at line {e.lineno} column {e.colno}"
+                if isinstance(e, json.JSONDecodeError) else str(e))
+        raise ResultFileError(f"{path}: not valid JSON ({what}); the file is truncated or "
+                              "corrupt: restore it or delete it and re-run its suite") from None
+    try:
+        return migrate.to_current(data)
+    except migrate.NotAResultFile as e:
+        raise NotAResultFile(f"{path}: {e}") from None
 
 
 def upsert(path: Path, run: dict, rows: list[dict]) -> dict:
@@ -75,13 +94,32 @@ def upsert(path: Path, run: dict, rows: list[dict]) -> dict:
     return data
 
 
-def rows_of(paths: list[Path]) -> tuple[list[dict], dict]:
-    """Rows and runs of result files or run folders (every ``*.json`` in a folder)."""
-    rows, runs = [], {}
+def holds_results(folder: Path) -> bool:
+    """Whether ``folder`` has a result file (a profile run's folder may hold a trace only)."""
+    for f in sorted(Path(folder).glob("*.json")):
+        try:
+            load(f)
+            return True
+        except NotAResultFile:
+            pass
+    return False
+
+
+def rows_of(paths: list[Path], note=None) -> tuple[list[dict], dict]:
+    """Rows and runs of result files or run folders (every ``*.json`` in a folder). A folder's
+    JSON files that are not result files are skipped with a note (``note``, default: a line
+    on stderr); a file named explicitly must be a result file."""
+    rows, runs, skipped = [], {}, []
     for p in paths:
         files = sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)]
         for f in files:
-            data = load(f)
+            try:
+                data = load(f)
+            except NotAResultFile:
+                if not Path(p).is_dir():
+                    raise
+                skipped.append(str(f))
+                continue
             rows += data["rows"]
             for rid, run in data["runs"].items():
                 # One run writes one file per suite, each recording the suites done so far:
@@ -89,4 +127,25 @@ def rows_of(paths: list[Path]) -> tuple[list[dict], dict]:
                 seconds = {**runs.get(rid, {}).get("suite_seconds", {}),
                            **run.get("suite_seconds", {})}
                 runs[rid] = run | ({"suite_seconds": seconds} if seconds else {})
+    if skipped:
+        (note or _stderr)(f"skipped {len(skipped)} JSON files that are not result files: "
+                          + ", ".join(skipped))
     return rows, runs
+
+
+def latest_per_case(rows: list[dict], runs: dict) -> tuple[list[dict], int]:
+    """Of rows of the same case on the same device from several runs, the latest run's
+    (run ids start with the run's UTC time), and how many rows that superseded."""
+    def key(r):
+        return runs.get(r.get("run_id"), {}).get("device"), case_id(r)
+
+    latest: dict[tuple, str] = {}
+    for r in rows:
+        k = key(r)
+        latest[k] = max(latest.get(k, ""), r.get("run_id") or "")
+    kept = [r for r in rows if (r.get("run_id") or "") == latest[key(r)]]
+    return kept, len(rows) - len(kept)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)

@@ -34,20 +34,23 @@ def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     for r in rows:
         if r["verification"]["status"] == "failed":
             continue
-        key = (r["module"], r["tokens"], r["adapters"], r["rank"])
+        setup = " ".join(str(r[k]) for k in ("device", "preset", "dtype") if r.get(k))
+        key = (setup, r["module"], r["tokens"], r["adapters"], r["rank"])
         by_case.setdefault(key, {})[r["provider"]] = r
+    several = len({k[0] for k in by_case}) > 1  # name the set-up only where rows differ
     out = []
-    for (m, t, a, rk), p in by_case.items():
+    for (setup, m, t, a, rk), p in by_case.items():
         tri = p.get("triton", {})
         d = tri.get("derived", {})
-        out.append([m, str(t), str(a), str(rk), fmt(_med(tri)), fmt(d.get("x_floor"), ".3g"),
+        out.append([*([setup] if several else []),
+                    m, str(t), str(a), str(rk), fmt(_med(tri)), fmt(d.get("x_floor"), ".3g"),
                     fmt(d.get("achieved_gbps"), ".0f"), fmt(_med(p.get("triton_shrink"))),
                     fmt(_med(p.get("triton_expand"))), fmt(_med(p.get("torch"))),
                     fmt(_med(p.get("base"))), fmt(d.get("pct_of_base"), ".3g") + "%",
                     _added(p.get("module")), _added(p.get("module_serial"))])
-    return (["module", "T", "adapters", "r", "LoRA us", "x floor", "GB/s", "shrink us",
-             "expand us", "torch ref us", "base GEMM us", "LoRA % of base",
-             "module: LoRA adds", "one stream: adds"], out)
+    return ([*(["set-up"] if several else []), "module", "T", "adapters", "r", "LoRA us",
+             "x floor", "GB/s", "shrink us", "expand us", "torch ref us", "base GEMM us",
+             "LoRA % of base", "module: LoRA adds", "one stream: adds"], out)
 
 
 def _added(row: dict | None) -> str:

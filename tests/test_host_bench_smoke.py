@@ -22,8 +22,50 @@ def test_the_host_benchmarks_run_and_save_a_run_file(tmp_path):
     [run] = tmp_path.glob("*-cpu.json")
     assert "no previous run" in p.stdout
     names = {b["name"] for b in json.loads(run.read_text())["benchmarks"]}
-    for bench in ("build_batch", "lora_plan", "lora_prepare_eager", "input_buffer_refresh",
+    for bench in ("build_batch", "lora_prepare_eager", "input_buffer_refresh",
                   "graph_step_host"):
         assert {f"test_{bench}[cpu-bs1]", f"test_{bench}[cpu-bs4]"} <= names
+    assert {f"test_lora_plan[cpu-bs{bs}-{kind}]" for bs in (1, 4)
+            for kind in ("planned", "cache_hit")} <= names
     assert {f"test_lora_buffer_refresh[cpu-bs{bs}-{batch}]" for bs in (1, 4)
             for batch in ("changed", "unchanged")} <= names
+
+
+class _Rounds:
+    """A stand-in for pytest-benchmark's fixture: each round its setup, then one timed call,
+    counted by whether the manager planned (the cached plan path acquires no slots)."""
+
+    def __init__(self, world):
+        self.world, self.extra_info, self.planned = world, {}, []
+
+    def pedantic(self, fn, args=(), setup=None, rounds=3, **_):
+        acquired = []
+        real = self.world.lora._acquire
+        self.world.lora._acquire = lambda used: (acquired.append(1), real(used))[1]
+        try:
+            for _ in range(3):
+                if setup is not None:
+                    setup()
+                before = len(acquired)
+                out = fn(*args)
+                self.planned.append(len(acquired) > before)
+        finally:
+            del self.world.lora._acquire
+        return out
+
+    def __call__(self, fn, *args):
+        return self.pedantic(fn, args)
+
+
+def test_the_plan_benchmark_plans_each_round_and_the_cache_hit_is_timed_apart():
+    import torch
+
+    from bench.host import test_host_path as host
+    from bench.host.world import HostShape, HostWorld
+
+    world = HostWorld(HostShape((2,), 2, 8, 8, 1, ("o_proj",)), torch.device("cpu")).reset()
+    for cached, want in ((False, [True] * 3), (True, [False] * 3)):
+        bench = _Rounds(world)
+        host.test_lora_plan(bench, world, 2, cached)
+        assert bench.planned == want
+        world.reset()

@@ -2,7 +2,8 @@
 pytest-benchmark, saves the run as ``results/runs/host/<YYYYmmdd-HHMMSS>-<device>.json``
 (git-ignored) and compares it with the previous run of the same device there, failing on a
 regression (``bench/host/compare.py``). ``--baseline FILE`` compares with that file instead,
-e.g. the committed reference ``results/host-<device>.json``, which only ``--publish`` writes.
+e.g. the committed reference ``results/host-<device>.json``, which only ``--publish`` writes
+(refused with a selection such as ``-k``: the reference holds every benchmark).
 Other arguments go to pytest: ``-k plan``, ``--host-batch-sizes 1,8``, ``--host-devices cpu``.
 A run whose checks fail is not kept, so it never becomes the next run's baseline."""
 
@@ -57,8 +58,18 @@ def publish(run: Path, slug: str) -> Path:
     return ref
 
 
+SELECTING = ("-k", "-m", "--deselect", "--lf", "--last-failed", "--sw", "--stepwise")
+"""pytest options that run a subset: such a run is never the committed reference."""
+
+
 def main(argv=None) -> int:
     args, pytest_args = parse_args(argv)
+    subset = [a for a in pytest_args if a.split("=")[0] in SELECTING
+              or (a.startswith("-k") and len(a) > 2) or "::" in a]
+    if args.publish and subset:
+        raise SystemExit(f"--publish with {' '.join(subset)}: the reference must hold every "
+                         "benchmark, and a subset would replace it. Run without the selection "
+                         "to publish, or drop --publish")
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     # Not a run file's name until it passed: a failed run must never become a baseline.

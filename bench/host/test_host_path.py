@@ -34,11 +34,25 @@ def test_build_batch(benchmark, world: HostWorld, bs: int) -> None:
     checks.check_decode_batch(batch, world.requests(bs))
 
 
-def test_lora_plan(benchmark, world: HostWorld, bs: int) -> None:
-    """``LoRAManager.plan_lora_batch``: slots (all resident) and the segment plans."""
+PLAN_ROUNDS = 500
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["planned", "cache_hit"])
+def test_lora_plan(benchmark, world: HostWorld, bs: int, cached: bool) -> None:
+    """``LoRAManager.plan_lora_batch``: slots (all resident) and the segment plans. ``planned``
+    plans each round (the manager's cached plan of the last batch is dropped before it, in the
+    untimed setup); ``cache_hit`` times the same batch again (a decode step of unchanged
+    requests), which reuses that plan."""
     _tag(benchmark, world, bs)
     batch = world.build_batch(bs)
-    plan = benchmark(world.plan, batch)
+
+    def forget_last_plan() -> None:
+        if not cached:
+            world.lora._last_plan = None
+
+    world.plan(batch)
+    plan = benchmark.pedantic(world.plan, args=(batch,), setup=forget_last_plan,
+                              rounds=PLAN_ROUNDS, warmup_rounds=2)
     want = world.slots_of(batch)
     checks.check_plan(plan.rows, want, world.neutral_slot, "plan token rows")
     checks.check_plan(plan.logits_rows, want, world.neutral_slot, "plan logits rows")
