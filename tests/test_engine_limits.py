@@ -148,6 +148,17 @@ def test_workload_spec():
     assert all(g >= 0 for g in gaps) and 0.01 < sum(gaps) / len(gaps) < 0.04
     with pytest.raises(ValueError, match="rate"):
         WorkloadSpec(4, arrival="poisson")
+    bad = [(dict(arrival="poisson", rate=float("nan")), "rate"),  # serve() looped forever
+           (dict(arrival="poisson", rate=float("inf")), "rate"),
+           (dict(zipf_alpha=float("nan")), "zipf_alpha"), (dict(zipf_alpha=-1.0), "zipf_alpha"),
+           (dict(prompt_len=(1, 5, 9)), "prompt_len"), (dict(output_len=(1.9, 2.9)), "output_len"),
+           (dict(prompt_len=3.5), "prompt_len"), (dict(num_adapters=2.5), "num_adapters"),
+           (dict(seed=None), "seed")]
+    for kwargs, words in bad:
+        with pytest.raises(ValueError, match=words):
+            WorkloadSpec(4, **kwargs)
+    with pytest.raises(ValueError, match="num_requests"):
+        WorkloadSpec(2.5)
 
 
 def test_serve_adds_requests_at_their_arrival_times(world):
@@ -161,11 +172,19 @@ def test_serve_adds_requests_at_their_arrival_times(world):
 
     wl = make_workload(WorkloadSpec(5, (2, 5), 2, arrival="poisson", rate=10.0, seed=3),
                        w.config.vocab_size)
+    step = eng.step
+
+    def slow_step():  # every forward takes 50 ms: requests arrive while one runs
+        now[0] += 0.05
+        return step()
+
+    eng.step = slow_step
     reqs = serve(eng, wl, sleep)
     assert all(r.metrics.finish is not None for r in reqs)
     for r, spec in zip(reqs, wl, strict=True):
-        assert r.metrics.arrival >= spec.arrival - 1e-9
-        assert r.metrics.ttft is not None and r.metrics.ttft >= 0
+        # Its wait for the step it arrived during counts: TTFT runs from its arrival time.
+        assert r.metrics.arrival == pytest.approx(spec.arrival)
+        assert r.metrics.ttft is not None and r.metrics.ttft >= 0.05 - 1e-9
 
 
 def test_a_request_past_the_models_positions_is_refused(world, monkeypatch):

@@ -7,6 +7,7 @@ Arrivals: ``offline`` (all at time 0: throughput) or ``poisson`` at ``rate`` req
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -34,18 +35,29 @@ class WorkloadSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("num_requests", "num_adapters", "seed"):
+            if not _is_int(getattr(self, name)):  # seed None would draw anew each call
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.popularity not in POPULARITY:
             raise ValueError(f"popularity {self.popularity!r}: choose one of {POPULARITY}")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival {self.arrival!r}: choose one of {ARRIVALS}")
-        if self.arrival == "poisson" and self.rate <= 0:
-            raise ValueError("poisson arrivals need rate > 0 (requests per second)")
+        if self.arrival == "poisson" and not (0 < self.rate < math.inf):
+            raise ValueError(f"poisson arrivals need a finite rate > 0 (requests per second), "
+                             f"got {self.rate!r}")
+        if not 0 <= self.zipf_alpha < math.inf:
+            raise ValueError(f"zipf_alpha must be finite and >= 0, got {self.zipf_alpha!r}")
         if self.popularity in ("uniform", "zipf") and self.num_adapters < 1:
             raise ValueError(f"{self.popularity} popularity needs num_adapters >= 1")
         for name in ("prompt_len", "output_len"):
-            lo, hi = _bounds(getattr(self, name))
+            x = getattr(self, name)
+            if not (_is_int(x) or isinstance(x, tuple) and len(x) == 2
+                    and all(_is_int(v) for v in x)):
+                raise ValueError(f"{name} must be an integer or a (lo, hi) pair of integers, "
+                                 f"got {x!r}")
+            lo, hi = _bounds(x)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must be >= 1 (or a range lo <= hi), got "
                                  f"{getattr(self, name)}")
@@ -102,8 +114,10 @@ def serve(engine, workload: list[WorkloadRequest],
         now = engine.clock() - t0
         while k < len(pending) and workload[pending[k]].arrival <= now:
             w = workload[pending[k]]
-            reqs[pending[k]] = engine.add_request(w.prompt, w.adapter,
-                                                  max_new_tokens=w.max_new_tokens)
+            req = engine.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
+            # It arrived while the last step ran: its wait for that step counts in its TTFT.
+            req.metrics.arrival = t0 + w.arrival
+            reqs[pending[k]] = req
             k += 1
         if engine.has_work:
             engine.step()
@@ -112,8 +126,12 @@ def serve(engine, workload: list[WorkloadRequest],
     return reqs  # type: ignore[return-value]
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _bounds(x: Length) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
+    return (x, x) if isinstance(x, int) else (x[0], x[1])
 
 
 def _draw(rng: random.Random, x: Length) -> int:
