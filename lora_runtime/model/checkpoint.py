@@ -30,11 +30,19 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
     config = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
     model = LlamaForCausalLM.empty(config, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
-    filled: set[str] = set()
+    filled: dict[str, str] = {}  # tensor name -> the file that held it
+    tied_head = None
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 if _IGNORED.search(key):
+                    continue
+                if key in filled:
+                    raise CheckpointError(f"{file.name}: tensor {key!r} is also in "
+                                          f"{filled[key]}: which one is meant is not known")
+                if key == "lm_head.weight" and config.tie_word_embeddings:
+                    # Shares the embedding's tensor: a copy would overwrite the embedding.
+                    tied_head, filled[key] = f.get_tensor(key), file.name
                     continue
                 target, rows = _destination(key, config)
                 if target not in params:
@@ -46,8 +54,14 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                     raise CheckpointError(f"{file.name}: {key} has shape {tuple(t.shape)}, "
                                           f"expected {tuple(dest.shape)} from config.json")
                 dest.copy_(t.to(dtype))
-                filled.add(key)
-    _check_complete(filled, config)
+                filled[key] = file.name
+    _check_complete(set(filled), config)
+    if tied_head is not None and not torch.equal(tied_head.to(dtype).to(device),
+                                                 model.model.embed_tokens.weight.data):
+        raise CheckpointError("config.json ties lm_head to embed_tokens "
+                              "(tie_word_embeddings: true) but the checkpoint's lm_head.weight "
+                              "differs from its embed_tokens.weight: set tie_word_embeddings to "
+                              "false to serve the checkpoint's lm_head")
     return model
 
 

@@ -113,8 +113,12 @@ def _rope_scaling(cfg: dict) -> dict | None:
         return None
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, llama3")
-    return {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings")} | {"rope_type": "llama3"}
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rs]
+    if missing:
+        raise ValueError(f"llama3 rope scaling lacks {missing}: config.json's rope_scaling "
+                         f"must give {list(keys)}")
+    return {k: rs[k] for k in keys} | {"rope_type": "llama3"}
 
 
 def tiny(num_layers: int = 2) -> LlamaConfig:

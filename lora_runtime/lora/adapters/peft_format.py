@@ -126,6 +126,9 @@ def _read_config(path: Path) -> dict:
     for key, (bad, why) in _UNSUPPORTED.items():
         if _flag(cfg, key, f) == bad:
             raise AdapterError(f"{f}: {why} ({key}={bad})")
+    if cfg.get("layer_replication"):
+        raise AdapterError(f"{f}: layer_replication (a model of repeated base layers) is not "
+                           "supported: this runtime serves the base model's own layers")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"{f}: bias={cfg['bias']!r} is not supported (LoRA biases); "
                            "retrain with bias='none'")
