@@ -420,7 +420,7 @@ MUTANTS = [
     Mutant("fractional_token_budget",
            "a request takes a fractional max_new_tokens (its KV budget over-commits the cache)",
            "lora_runtime/engine/requests.py",
-           (("        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:",
+           (("        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:",
              "        if self.max_new_tokens < 1:"),),
            ("tests/test_engine_limits.py::test_bad_requests_are_refused_and_the_others_served",)),
     Mutant("failed_warm_up_keeps_requests",

@@ -21,7 +21,8 @@ from lora_runtime.engine.metrics import RequestMetrics
 from lora_runtime.engine.slots import SlotList
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer of any integral type; bool is not one."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -42,11 +43,11 @@ class Request:
         if not self.prompt:
             raise ValueError("a request needs a non-empty prompt")
         # A float budget (4.5) would reserve a fractional KV budget and sample past it.
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got "
                              f"{self.max_new_tokens!r}")
         for label, ids in (("prompt", self.prompt), ("stop_ids", self.stop_ids)):
-            bad = [t for t in ids if not _is_int(t)]
+            bad = [t for t in ids if not is_int(t)]
             if bad:
                 raise ValueError(f"{label} token ids must be integers, got {bad[:5]!r}")
         self.max_new_tokens = int(self.max_new_tokens)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lora_runtime.engine.requests import Request
+from lora_runtime.engine.requests import Request, is_int
 
 POPULARITY = ("none", "identical", "uniform", "zipf", "distinct")
 ARRIVALS = ("offline", "poisson")
@@ -36,7 +36,7 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_adapters", "seed"):
-            if not _is_int(getattr(self, name)):  # seed None would draw anew each call
+            if not is_int(getattr(self, name)):  # seed None would draw anew each call
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
@@ -53,8 +53,8 @@ class WorkloadSpec:
             raise ValueError(f"{self.popularity} popularity needs num_adapters >= 1")
         for name in ("prompt_len", "output_len"):
             x = getattr(self, name)
-            if not (_is_int(x) or isinstance(x, tuple) and len(x) == 2
-                    and all(_is_int(v) for v in x)):
+            if not (is_int(x) or isinstance(x, tuple) and len(x) == 2
+                    and all(is_int(v) for v in x)):
                 raise ValueError(f"{name} must be an integer or a (lo, hi) pair of integers, "
                                  f"got {x!r}")
             lo, hi = _bounds(x)
@@ -124,10 +124,6 @@ def serve(engine, workload: list[WorkloadRequest],
         elif k < len(pending):
             sleep(max(0.0, workload[pending[k]].arrival - now))
     return reqs  # type: ignore[return-value]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _bounds(x: Length) -> tuple[int, int]:
