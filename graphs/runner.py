@@ -111,7 +111,8 @@ class GraphRunner:
         return self.buffers.bucket_for(batch)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return self.buffers.bucket_for(batch) is not None
+        """Whether a captured bucket fits the batch (False before ``capture()``)."""
+        return bool(self.graphs) and self.buffers.bucket_for(batch) is not None
 
     def variant_for(self, batch: ForwardBatch, step_has_adapters: bool) -> str:
         """The variant this rank replays when the step (every rank's rows) does or does not
@@ -139,6 +140,11 @@ class GraphRunner:
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
                              f"but bucket {bucket} holds {self.buffers.rows(bucket)}")
+        if (kind, bucket) not in self.graphs:
+            raise RuntimeError(
+                f"no {kind!r} graph of bucket {bucket} was captured "
+                + ("(call capture() before replay())" if not self.graphs else
+                   f"(captured: {sorted(self.graphs)})"))
         lora_batch = batch if not idle or batch.gathered is not None else None
         self._set_lora(kind, lora_batch, bucket)  # may raise: before any write
         with phase("buffer refresh"):

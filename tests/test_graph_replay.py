@@ -66,3 +66,27 @@ def test_batch_sizes_crossing_buckets_and_base_only(world):
         _decode(w, pool[:n])
         _decode(w, [r for r in pool[:n] if r.adapter is None] or pool[1:2])
     release(pool, w.runner.kv)
+
+
+def test_replay_before_capture_is_refused_and_leaves_state():
+    from runtime_helpers import drawn_adapter, make_runtime
+
+    from graphs import GraphRunner
+    from lora_runtime.model.config import tiny
+
+    cfg = tiny(1)
+    rt = make_runtime(cfg, dtype=torch.float32, device=DEVICE, backend="torch", slots=2,
+                      max_rank=4)
+    rt.lora.load_adapter("a", drawn_adapter(cfg, "a", 1, 4))
+    graphs = GraphRunner.decode(rt, [1, 2], 16)
+    r = Request([1, 2, 3], "a", 4)
+    rt.forward_eager(build_extend([r], rt.kv, DEVICE))
+    r.output.append(5)
+    rt.lora.reset_lora_batch()
+    batch = build_decode([r], rt.kv, DEVICE)
+    assert not graphs.can_run(batch)
+    slots_before = dict(rt.lora.pool.slot_of)
+    with pytest.raises(RuntimeError, match="capture"):
+        graphs.replay(batch)
+    assert rt.lora.backend.batch_info is None
+    assert rt.lora.pool.slot_of == slots_before
