@@ -55,6 +55,32 @@ def test_bad_requests_are_refused_and_the_others_served(world):
     w.check_request(eng, other)
 
 
+def test_generate_refuses_all_its_prompts_or_none(world):
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=4))
+    name = w.new_adapter(eng)
+    for prompts, adapters, words in [
+        ([[1, 2, 3], [4, 5]], [name], "2 prompts but 1 adapters"),
+        ([[1, 2, 3], []], [name, None], "non-empty prompt"),
+        ([[1, 2, 3], [4, 5]], [None, "nope"], "unknown adapter"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            eng.generate(prompts, adapters, max_new_tokens=2)
+        assert not eng.scheduler.has_work, "a refused generate() must queue nothing"
+    out = eng.generate([[1, 2, 3]], [name], max_new_tokens=2)
+    assert len(out[0]) == 2 and [r.id for r in eng.finished] == [0]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_batch_size", 2.5), ("max_batch_size", 0), ("max_batch_size", True),
+    ("max_step_tokens", 4.5), ("max_step_tokens", "16"), ("max_overtake_steps", -1),
+    ("max_overtake_steps", 1.5), ("chunked_prefill", "no"),
+])
+def test_scheduler_config_refuses_non_integer_limits(field, value):
+    with pytest.raises(ValueError, match=f"SchedulerConfig.{field}"):
+        SchedulerConfig(**{field: value})
+
+
 def test_a_request_waits_for_kv_capacity(world):
     w = world
     eng = w.engine(SchedulerConfig(max_batch_size=8))

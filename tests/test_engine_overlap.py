@@ -80,3 +80,27 @@ def test_overlap_serves_the_same_tokens_and_frees_the_cache(monkeypatch):
     assert not eng.has_work
     total = sum(s.seconds for s in eng.timeline)
     assert total <= wall * 1.05 + 1e-3, "overlapped steps must not count their time twice"
+
+
+def test_each_compile_is_counted_once_by_the_step_that_caused_it(monkeypatch):
+    """A kernel compiled while launching the step run ahead belongs to that step, not also to
+    the step in flight recorded after it (the throughput suite sums ``compiles``)."""
+    w = EngineWorld("torch", DEVICE, layers=1)
+    count = {"n": 0}
+    monkeypatch.setattr(engine_module.jit_watch, "count", lambda: count["n"])
+    real = w.runner.forward_eager
+
+    def forward_eager(batch):  # every forward "compiles" one variant
+        count["n"] += 1
+        return real(batch)
+
+    monkeypatch.setattr(w.runner, "forward_eager", forward_eager)
+    for overlap in (False, True):
+        count["n"] = 0
+        eng = w.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=16), overlap=overlap)
+        for i in range(3):
+            eng.add_request([1 + i, 2, 3], None, max_new_tokens=6)
+        eng.run()
+        assert [s.compiles for s in eng.timeline] == [1] * len(eng.timeline), overlap
+        assert count["n"] == len(eng.timeline)
+        assert overlap == any(s.ahead for s in eng.timeline)

@@ -76,8 +76,7 @@ class DPEngine(Engine):
     def generate(self, prompts, adapters, max_new_tokens: int = 16) -> list[list[int]]:
         """``Engine.generate`` of this rank's prompts (possibly none); every rank calls it, and
         it steps until no rank has work."""
-        reqs = [self.add_request(p, a, max_new_tokens=max_new_tokens)
-                for p, a in zip(prompts, adapters, strict=True)]
+        reqs = self.add_requests(prompts, adapters, max_new_tokens)
         self.run()
         return [list(r.output) for r in reqs]
 
@@ -104,7 +103,7 @@ class DPEngine(Engine):
         # step's agreement follows the previous step's forward on every rank); a rank that
         # runs ahead only waits in the agreement for one that read its tokens first.
         if self._may_run_ahead(cur):
-            self._inflight = self._launch_agreed(self._start_step(), cur)
+            self._inflight = self._launch_agreed(self._start_step(ahead_of=cur), cur)
         return self._finish(cur)
 
     def _launch_agreed(self, start: float, running: LaunchedStep | None = None

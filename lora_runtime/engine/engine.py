@@ -55,6 +55,9 @@ class LaunchedStep:
     host: torch.Tensor | None = None
     """``tokens`` on the host (pinned on a GPU, valid once ``ready`` has completed)."""
     ready: torch.cuda.Event | None = None
+    jit_end: int | None = None
+    """The compile count when the next step was launched ahead of this one's read: what
+    compiled after that is the next step's (None: count at the record)."""
 
 
 class Engine:
@@ -87,8 +90,25 @@ class Engine:
                     max_new_tokens: int = 16, stop_ids: Sequence[int] = ()) -> Request:
         """Queues a request and returns it (its ``output`` grows as it is served). Raises
         ValueError, changing nothing, on input the engine could never serve."""
+        return self._queue(self._checked(prompt_ids, adapter, max_new_tokens, stop_ids))
+
+    def add_requests(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
+                     max_new_tokens: int = 16) -> list[Request]:
+        """``add_request`` for each prompt with its adapter, all or none: every request is
+        checked before any is queued."""
+        if len(prompts) != len(adapters):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters: pass one "
+                             "adapter (or None) a prompt")
+        reqs = [self._checked(p, a, max_new_tokens, ())
+                for p, a in zip(prompts, adapters, strict=True)]
+        return [self._queue(r) for r in reqs]
+
+    def _checked(self, prompt_ids, adapter, max_new_tokens, stop_ids) -> Request:
         req = Request(list(prompt_ids), adapter, max_new_tokens, tuple(stop_ids))
         self._check(req)
+        return req
+
+    def _queue(self, req: Request) -> Request:
         req.id = next(self._ids)
         req.metrics.arrival = self.clock()
         self.scheduler.add(req)
@@ -213,7 +233,7 @@ class Engine:
         if ahead is not None:
             # Hazard: the next forward reuses the graph's static output; cur's tokens (and
             # kept logits) were taken from it by kernels enqueued before this launch.
-            start = self._start_step()
+            start = self._start_step(ahead_of=cur)
             self._inflight = self._launch(ahead, self._build(ahead, cur), start, ahead=True)
         return self._finish(cur)
 
@@ -224,7 +244,7 @@ class Engine:
             cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
         tokens = cur.host.tolist()
         produced = self._take(cur.plan, tokens, cur.logits, cur.samples)
-        self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead)
+        self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead, cur.jit_end)
         return produced
 
     def _next_plan(self) -> ScheduledStep | None:
@@ -282,8 +302,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                  max_new_tokens: int = 16) -> list[list[int]]:
         """Greedy generation of a fixed set of prompts: each one's new tokens."""
-        reqs = [self.add_request(p, a, max_new_tokens=max_new_tokens)
-                for p, a in zip(prompts, adapters, strict=True)]
+        reqs = self.add_requests(prompts, adapters, max_new_tokens)
         while not all(r.metrics.finish is not None for r in reqs):
             self.step()
         return [list(r.output) for r in reqs]
@@ -344,13 +363,18 @@ class Engine:
                 self.finished.append(req)
         return produced
 
-    def _start_step(self) -> float:
+    def _start_step(self, ahead_of: LaunchedStep | None = None) -> float:
+        """The step's start; ``ahead_of``: the step in flight it is launched ahead of, whose
+        compiles end here."""
         self._jit_at_start = jit_watch.count()
+        if ahead_of is not None:
+            ahead_of.jit_end = self._jit_at_start
         return self.clock()
 
     def _record(self, plan: ScheduledStep, replayed: GraphReplayer | None, start: float,
-                jit_at_start: int | None = None, ahead: bool = False) -> None:
-        jit = jit_watch.count()
+                jit_at_start: int | None = None, ahead: bool = False,
+                jit_at_end: int | None = None) -> None:
+        jit = jit_watch.count() if jit_at_end is None else jit_at_end
         end = self.clock()
         # Overlapped steps: a step's time runs from the later of its launch and the previous
         # step's end, so the steps' seconds add up to the wall time.

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_runtime.engine.forward_batch import ForwardMode
-from lora_runtime.engine.requests import Request
+from lora_runtime.engine.requests import Request, is_int
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,15 @@ class SchedulerConfig:
     """Steps the oldest waiting request may be overtaken by later ones that fit."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_step_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_overtake_steps < 0:
-            raise ValueError(f"SchedulerConfig.max_overtake_steps must be >= 0, got "
-                             f"{self.max_overtake_steps}")
+        for name, least in (("max_batch_size", 1), ("max_step_tokens", 1),
+                            ("max_overtake_steps", 0)):
+            value = getattr(self, name)
+            if not is_int(value) or value < least:
+                raise ValueError(f"SchedulerConfig.{name} must be an integer >= {least}, got "
+                                 f"{value!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"SchedulerConfig.chunked_prefill must be True or False, got "
+                             f"{self.chunked_prefill!r}")
 
 
 @dataclass(frozen=True)
