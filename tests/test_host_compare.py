@@ -68,3 +68,13 @@ def test_a_threshold_of_one_or_less_is_refused(tmp_path):
     new = _run(tmp_path, "20250102-120000-cpu.json", {})
     with pytest.raises(SystemExit):
         compare.main([str(new), "--threshold", "1"])
+
+
+def test_a_run_sharing_no_benchmark_with_the_reference_says_nothing_was_compared(
+        tmp_path, capsys):
+    old = _run(tmp_path, "20250101-120000-cpu.json", {"plan[cpu-bs1]": 10.0})
+    new = _run(tmp_path, "20250102-120000-cpu.json", {"plan[cpu-bs1-planned]": 99.0})
+    assert compare.main([str(new), str(old)]) == 0
+    out = capsys.readouterr().out
+    assert "nothing compared" in out and "--publish" in out
+    assert "no benchmark over" not in out

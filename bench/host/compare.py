@@ -106,7 +106,15 @@ def compare(new_path: Path, old_path: Path | None, threshold: float = DEFAULT_TH
         print(f"REGRESSION: {len(bad)} benchmark(s) over {threshold}x their previous {stat}: "
               f"{', '.join(bad)}", file=out)
         return 1
-    print(f"no benchmark over {threshold}x its previous {stat}", file=out)
+    compared = sum(c.ratio is not None for c in rows)
+    new = sum(c.new_us is not None for c in rows)
+    if compared == 0:
+        print(f"nothing compared: none of this run's {new} benchmark(s) is in {old_path} "
+              "(renamed or new benchmarks: publish a new reference with `python -m bench.host "
+              "--publish`)", file=out)
+        return 0
+    print(f"no benchmark over {threshold}x its previous {stat} ({compared} of this run's {new} "
+          "compared)", file=out)
     return 0
 
 
