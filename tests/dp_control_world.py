@@ -64,3 +64,49 @@ def control_rank(rank: int, size: int, out_dir: str) -> None:
     log["stuck steps"] = len(eng.timeline)
     torch.save(log, Path(out_dir, f"control{rank}.pt"))
     shutdown(torch.device("cpu"))
+
+
+def overlap_control_rank(rank: int, size: int, out_dir: str) -> None:
+    """With overlap, ranks whose requests allow a different run-ahead still return from each
+    ``step()`` together: a control call's collective after one step pairs with the other
+    rank's. Then engines the ranks build differently are refused on every rank."""
+    dp = init_dp(torch.device("cpu"))
+    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
+    shard_mlp(model, dp)
+    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
+    runner = ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora)
+    eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16),
+                   keep_logits=True, overlap=True)
+    for ad in adapters():
+        eng.load_adapter(ad.name, ad)
+    log: dict[str, object] = {}
+    # Rank 0's request runs ahead after its first token; rank 1's ends with its first.
+    name, n = ("ad0", 6) if rank == 0 else ("ad2", 1)
+    req = eng.add_request(PROMPTS[name], name, max_new_tokens=n)
+    eng.step()
+    eng.unload_adapter("ad3")  # its all-gather must pair with the other rank's
+    for _ in range(2):
+        eng.step()
+    eng.pin_adapter("ad1")
+    eng.run()
+    log["outputs"] = {name: (list(req.output), [t.clone() for t in eng.logits[req.id]])}
+    log["ahead"] = [s.ahead for s in eng.timeline]
+    # A cache of exactly one request's budget (prompt 3 + 6 - 1): a step run ahead past its
+    # last token would ask for a ninth slot.
+    tight = DPEngine(ModelRunner(model, KVCache(CONFIG, 8, torch.float32, "cpu"), lora), dp,
+                     SchedulerConfig(max_batch_size=4, max_step_tokens=16), overlap=True)
+    log["tight"] = tight.generate([[1, 2, 3]], ["ad0"], 6 if rank == 0 else 3)
+    runner.lora.reset_lora_batch()
+    try:  # another max_batch_size on rank 1: the agreement's tensors would differ in size
+        DPEngine(runner, dp, SchedulerConfig(max_batch_size=4 + rank))
+        log["mismatch"] = "ok"
+    except ValueError as e:
+        log["mismatch"] = str(e)
+    plain = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
+    try:
+        DPEngine(ModelRunner(plain, KVCache(CONFIG, 64, torch.float32, "cpu"), None), dp)
+        log["unsharded"] = "ok"
+    except ValueError as e:
+        log["unsharded"] = str(e)
+    torch.save(log, Path(out_dir, f"overlap{rank}.pt"))
+    shutdown(torch.device("cpu"))

@@ -344,6 +344,28 @@ MUTANTS = [
              "        reqs = [self.add_request(p, a, max_new_tokens=max_new_tokens)\n"),
             ("        return [self._queue(r) for r in reqs]\n", "        return reqs\n")),
            ("tests/test_engine_limits.py::test_generate_refuses_all_its_prompts_or_none",)),
+    Mutant("dp_rank_runs_ahead_alone",
+           "a DP rank decides alone whether to run ahead: its step() returns one agreement "
+           "later than another rank's, whose next control collective pairs with it",
+           "lora_runtime/dp/dp_engine.py",
+           (("        if self._agreed.run_ahead:", "        if self._may_run_ahead(cur):"),),
+           ("tests/test_dp_control.py::"
+            "test_ranks_run_ahead_together_so_control_calls_pair_up",)),
+    Mutant("dp_run_ahead_ignores_pending_tokens",
+           "a DP rank judges run-ahead before the step in flight's tokens are read without "
+           "counting them: a step runs ahead past a request's last token",
+           "lora_runtime/engine/engine.py",
+           (("    return any(len(r.output) + (r in pending) + 1 >= r.max_new_tokens",
+             "    return any(len(r.output) + 1 >= r.max_new_tokens"),),
+           ("tests/test_dp_control.py::"
+            "test_ranks_run_ahead_together_so_control_calls_pair_up",)),
+    Mutant("step_records_graph_at_finish",
+           "a step's graph variant and bucket read when it is recorded, after a step launched "
+           "ahead replayed the same runner",
+           "lora_runtime/engine/engine.py",
+           (("        self._record(cur.plan, cur.graph, cur.start,",
+             "        self._record(cur.plan, _replayed_as(cur.replayed), cur.start,"),),
+           ("tests/test_engine_overlap.py::test_each_step_records_the_graph_it_replayed",)),
     Mutant("floor_counts_rows",
            "LoRA's bytes floor counts an adapter once per row that uses it, not once a step",
            "bench/lora_floor.py",

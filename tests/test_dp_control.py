@@ -1,13 +1,15 @@
 """DP control path on gloo: the ranks load the same adapters in different orders and still
 serve each request as a single engine does; a pin or an unload that one rank's requests
 forbid is refused on every rank; ``generate`` returns on every rank; a request that can
-never be admitted raises on every rank instead of idling forever."""
+never be admitted raises on every rank instead of idling forever. With overlap, ranks whose
+requests allow different run-aheads stay in step for a control call between two steps, and
+engines built differently on the ranks are refused on every rank."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dp_control_world import PROMPTS, control_rank
+from dp_control_world import PROMPTS, control_rank, overlap_control_rank
 from dp_world import CONFIG, MAX_RANK, adapters
 from engine_world import compare_with_alone, run_alone
 from runtime_helpers import ALL_TARGETS, make_runtime
@@ -48,3 +50,30 @@ def test_a_request_that_can_never_be_admitted_raises_on_every_rank(logs):
         assert log["stuck"].startswith("RuntimeError") and "ranks [0]" in log["stuck"]
     assert "'ad3'" in logs[0]["stuck"] and "can never be admitted" in logs[0]["stuck"]
     assert logs[0]["stuck steps"] == logs[1]["stuck steps"]
+
+
+@pytest.fixture(scope="module")
+def overlap_logs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp_overlap_control")
+    spawn(overlap_control_rank, 2, 2, str(out), timeout_s=60.0)
+    return [torch.load(out / f"overlap{r}.pt") for r in range(2)]
+
+
+def test_ranks_run_ahead_together_so_control_calls_pair_up(overlap_logs):
+    ref = make_runtime(CONFIG, dtype=torch.float32, device="cpu", backend="torch", slots=1,
+                       max_rank=MAX_RANK, targets=ALL_TARGETS, kv_tokens=256)
+    by_name = {a.name: a for a in adapters()}
+    for log, n in zip(overlap_logs, (6, 1), strict=True):
+        (name, (output, logits)), = log["outputs"].items()
+        assert len(output) == n
+        compare_with_alone(logits, run_alone(ref, by_name, PROMPTS[name], name, output),
+                           output, torch.float32, f"request on {name}")
+    assert [len(log["tight"][0]) for log in overlap_logs] == [6, 3]
+    assert overlap_logs[0]["ahead"] == overlap_logs[1]["ahead"]
+    assert any(overlap_logs[0]["ahead"]), "rank 0's decode steps must run ahead"
+
+
+def test_engines_built_differently_are_refused_on_every_rank(overlap_logs):
+    for log in overlap_logs:
+        assert "max_batch_size" in log["mismatch"] and "[4, 5]" in log["mismatch"]
+        assert "shard_mlp" in log["unsharded"]

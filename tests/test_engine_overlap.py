@@ -104,3 +104,30 @@ def test_each_compile_is_counted_once_by_the_step_that_caused_it(monkeypatch):
         assert [s.compiles for s in eng.timeline] == [1] * len(eng.timeline), overlap
         assert count["n"] == len(eng.timeline)
         assert overlap == any(s.ahead for s in eng.timeline)
+
+
+def test_each_step_records_the_graph_it_replayed(monkeypatch):
+    """The variant and bucket of a step are those its own replay ran, not those of the step
+    launched ahead of its record (both replay the same runners)."""
+    from graphs import GraphRunner
+
+    w = EngineWorld("torch", DEVICE, layers=1, graphs=True)
+    replays = []
+    real = GraphRunner.replay
+
+    def replay(self, batch, bucket=None, variant=None):
+        out = real(self, batch, bucket, variant)
+        replays.append((self.last_kind, self.last_bucket))
+        return out
+
+    monkeypatch.setattr(GraphRunner, "replay", replay)
+    eng = w.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=16), overlap=True)
+    name = w.new_adapter(eng)
+    for i, (n, adapter) in enumerate([(3, None), (5, name), (2, None), (4, name), (6, None)]):
+        eng.add_request(list(range(1, 2 + i)), adapter, max_new_tokens=n)
+    eng.add_request(list(range(1, 21)), name, max_new_tokens=3)  # chunks of 16 and 4 rows
+    eng.run()
+    recorded = [(s.variant, s.bucket) for s in eng.timeline if s.graph]
+    assert recorded == replays
+    assert any(s.ahead for s in eng.timeline if s.graph)
+    assert len(set(replays)) > 2, "the workload must replay several buckets and variants"

@@ -1,10 +1,13 @@
 """What every rank agrees on before a DP step, in one all-gather of a small int tensor on the
 host (gloo) group: each rank's mode, rows, requests (adapter id and rows each), the smallest
 graph bucket its batch fits, the adapters its running requests hold, a digest of its slot
-table, and whether it has work. Every rank then derives the same decision from the same
-data: the mode, the rows per rank (the size of the gathered buffer), graph or eager, the
-bucket (the one that fits the largest rank) and the graph variant (with LoRA when any rank's
-rows have an adapter, so every rank's gathered MLP runs the same collectives)."""
+table, whether it has work and whether it may launch its next step ahead. Every rank then
+derives the same decision from the same data: the mode, the rows per rank (the size of the
+gathered buffer), graph or eager, the bucket (the one that fits the largest rank), the graph
+variant (with LoRA when any rank's rows have an adapter, so every rank's gathered MLP runs
+the same collectives) and whether every rank launches the next step ahead (only where all
+may: a rank running ahead alone would enter the next agreement while another returned from
+``step()``, and pair it with a different collective)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from lora_runtime.engine.forward_batch import ForwardMode
 
 NO_GRAPH = -1
 _MODES = (ForwardMode.IDLE, ForwardMode.DECODE, ForwardMode.EXTEND)
-_HEADER = 7
+_HEADER = 8
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class RankStep:
     """Adapters of every running request (they keep slots beyond this step)."""
     pool_digest: int
     has_work: bool
+    may_run_ahead: bool = False
+    """This rank could launch the step after this one before reading its tokens
+    (``Engine._may_run_ahead``; False without overlap)."""
 
     @property
     def rows(self) -> int:
@@ -52,6 +58,8 @@ class StepAgreement:
     bucket: int | None
     lora: bool
     """Replay the LoRA variant (some rank's rows have an adapter)."""
+    run_ahead: bool = False
+    """Every rank launches the next step before reading this one's tokens."""
 
     @property
     def has_work(self) -> bool:
@@ -93,7 +101,8 @@ def decide(ranks: tuple[RankStep, ...]) -> StepAgreement:
     bucket = max(r.bucket for r in ranks) if use_graph else None
     rows = bucket if use_graph else max(r.rows for r in ranks)
     lora = any(a >= 0 for r in ranks for a in r.adapters)
-    return StepAgreement(ranks, mode, rows, use_graph, bucket, lora)
+    return StepAgreement(ranks, mode, rows, use_graph, bucket, lora,
+                         all(r.may_run_ahead for r in ranks))
 
 
 def confirm(dp: DPGroup, choice: tuple[int, ...]) -> None:
@@ -106,6 +115,21 @@ def confirm(dp: DPGroup, choice: tuple[int, ...]) -> None:
     if len(set(rows)) != 1:
         raise RuntimeError(f"{dp.name}: ranks chose different steps (rows, bucket, lora) "
                            f"{rows}: the step must follow the agreement on every rank")
+
+
+def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
+    """Raises on every rank where the ranks' ``setup`` values differ (they size the agreement's
+    tensors and decide its collectives: a difference would abort gloo mid-step instead)."""
+    mine = torch.tensor(list(setup.values()), dtype=torch.int64)
+    out = torch.empty(dp.size * mine.numel(), dtype=torch.int64)
+    _all_gather_into(out, mine, dp.cpu_group)
+    per_rank = out.view(dp.size, -1).tolist()
+    differ = {k: [row[i] for row in per_rank] for i, k in enumerate(setup)
+              if len({row[i] for row in per_rank}) > 1}
+    if differ:
+        raise ValueError(f"{dp.name}: the ranks' engines differ in {differ} (values by rank): "
+                         "build every rank's DPEngine with the same SchedulerConfig, slots and "
+                         "options")
 
 
 def ranks_with(dp: DPGroup, flag: bool) -> list[int]:
@@ -127,7 +151,7 @@ def _pack(s: RankStep, max_requests: int, max_adapters: int) -> torch.Tensor:
                          f"adapters; the agreement has room for {max_requests} and "
                          f"{max_adapters}")
     head = [_MODES.index(s.mode), n, len(s.running_adapters), s.bucket, s.pool_digest,
-            int(s.has_work), max_requests]
+            int(s.has_work), max_requests, int(s.may_run_ahead)]
     body = [*s.adapters, *[-1] * (max_requests - n), *s.lens, *[0] * (max_requests - n),
             *s.running_adapters, *[-1] * (max_adapters - len(s.running_adapters))]
     return torch.tensor(head + body, dtype=torch.int64)
@@ -135,7 +159,7 @@ def _pack(s: RankStep, max_requests: int, max_adapters: int) -> torch.Tensor:
 
 def _unpack(row: torch.Tensor) -> RankStep:
     v = row.tolist()
-    mode, n, na, bucket, digest, work, cap = v[:_HEADER]
+    mode, n, na, bucket, digest, work, cap, ahead = v[:_HEADER]
     body = v[_HEADER:]
     return RankStep(_MODES[mode], tuple(body[:n]), tuple(body[cap : cap + n]), bucket,
-                    tuple(body[2 * cap : 2 * cap + na]), digest, bool(work))
+                    tuple(body[2 * cap : 2 * cap + na]), digest, bool(work), bool(ahead))

@@ -19,12 +19,13 @@ from lora_runtime.dp.agreement import (
     RankStep,
     StepAgreement,
     agree,
+    check_same_setup,
     confirm,
     pool_digest,
     ranks_with,
 )
 from lora_runtime.dp.group import DPGroup
-from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep
+from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep, ends_by_length
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request
@@ -44,7 +45,14 @@ class DPEngine(Engine):
         if runner.dp is not None and runner.dp.size != dp.size:
             raise ValueError(f"the model is sharded for {runner.dp.size} ranks, the group has "
                              f"{dp.size}")
+        if runner.dp is None and dp.size > 1:
+            raise ValueError(f"the model's MLP is not sharded for the {dp.size} ranks of "
+                             f"{dp.name}: call lora_runtime.dp.shard.shard_mlp(model, dp) "
+                             "before LoRAManager wraps the model")
         self.dp, self.verify = dp, verify
+        check_same_setup(dp, {"max_batch_size": self.config.max_batch_size,
+                              "slots": self.scheduler.num_slots, "verify": int(verify),
+                              "lora": int(self.lora is not None)})
         self.last: StepAgreement | None = None
         self._idle_with_work = 0
         """Agreed steps in a row where no rank ran rows but some rank had requests."""
@@ -99,10 +107,10 @@ class DPEngine(Engine):
             cur = self._launch_agreed(self._start_step())
             if cur is None:
                 return []
-        # Each rank decides for itself: the collectives run in the same order either way (a
-        # step's agreement follows the previous step's forward on every rank); a rank that
-        # runs ahead only waits in the agreement for one that read its tokens first.
-        if self._may_run_ahead(cur):
+        # Decided in cur's agreement, alike on every rank: a rank running ahead alone would
+        # return from step() one agreement later than the others, and the next collective
+        # of another rank (an unload's all-gather) would pair with its agreement.
+        if self._agreed.run_ahead:
             self._inflight = self._launch_agreed(self._start_step(ahead_of=cur), cur)
         return self._finish(cur)
 
@@ -113,10 +121,11 @@ class DPEngine(Engine):
         self._share_free_slots()
         plan = self.scheduler.schedule()
         batch = None if plan is None else self._build(plan, running)
+        ahead = self._may_run_ahead_of(plan, running)
         names = self._adapter_order()
         with phase("collective"):
-            ag = agree(self.dp, self._rank_step(plan, batch, names), self.config.max_batch_size,
-                       self.scheduler.num_slots)
+            ag = agree(self.dp, self._rank_step(plan, batch, names, ahead),
+                       self.config.max_batch_size, self.scheduler.num_slots)
         self.last = ag  # ``agree`` checked that every rank loaded ``names``
         self._known = {names[i] for i in ag.running_adapters}
         if ag.mode is ForwardMode.IDLE:
@@ -134,6 +143,19 @@ class DPEngine(Engine):
         self._agreed = ag
         return self._launch(plan or ScheduledStep(ForwardMode.IDLE, [], []), batch, start,
                             ahead=running is not None)
+
+    def _may_run_ahead_of(self, plan: ScheduledStep | None, running: LaunchedStep | None
+                          ) -> bool:
+        """``Engine._may_run_ahead`` of the step being agreed, judged before ``running``'s
+        tokens are read (they count as taken) and after its batch was built (a prompt's last
+        chunk is cached by then and samples, as ``_launch`` sees it)."""
+        if not self.overlap or plan is None:
+            return self.overlap
+        pending = set() if running is None else {
+            r for r, sampled in zip(running.plan.requests, running.samples, strict=True)
+            if sampled}
+        return not ends_by_length(plan.requests, [not r.prefilling for r in plan.requests],
+                                  pending)
 
     def _check_progress(self, ag: StepAgreement) -> None:
         """Raises on every rank alike once no rank has run rows for longer than the free
@@ -167,19 +189,20 @@ class DPEngine(Engine):
         return ag.bucket if ag.use_graph else None, ag.lora
 
     def _rank_step(self, plan: ScheduledStep | None, batch: ForwardBatch | None,
-                   names: list[str]) -> RankStep:
+                   names: list[str], may_run_ahead: bool) -> RankStep:
         ids = {n: i for i, n in enumerate(names)}
         running = sorted(ids[a] for a in self.scheduler.running_adapters())
         digest = pool_digest(self.lora.pool.owner, names) if self.lora is not None else 0
         work = self.scheduler.has_work
         if plan is None:
-            return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work)
+            return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work,
+                            may_run_ahead)
         g = self._graphs_for(plan.mode)
         own = None if g is None else g.bucket_for(batch)
         return RankStep(plan.mode, tuple(-1 if r.adapter is None else ids[r.adapter]
                                          for r in plan.requests),
                         tuple(plan.chunks), NO_GRAPH if own is None else own, tuple(running),
-                        digest, work)
+                        digest, work, may_run_ahead)
 
     def _graphs_for(self, mode: ForwardMode) -> GraphReplayer | None:
         return next((g for g in self.graphs if g.mode is mode), None)

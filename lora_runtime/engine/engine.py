@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -56,6 +56,9 @@ class LaunchedStep:
     """``tokens`` on the host (pinned on a GPU, valid once ``ready`` has completed)."""
     ready: torch.cuda.Event | None = None
     jit_end: int | None = None
+    graph: tuple[str, int] | None = None
+    """The graph variant and bucket replayed (None: eager), read at launch: a step launched
+    ahead replays the same runner before this one is recorded."""
     """The compile count when the next step was launched ahead of this one's read: what
     compiled after that is the next step's (None: count at the record)."""
 
@@ -218,7 +221,7 @@ class Engine:
         batch = self._build(plan)
         logits, replayed = self.forward(batch)
         produced = self._sample(plan, logits)
-        self._record(plan, replayed, start)
+        self._record(plan, _replayed_as(replayed), start)
         return produced
 
     def _step_overlapped(self) -> list[tuple[Request, int]]:
@@ -244,7 +247,7 @@ class Engine:
             cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
         tokens = cur.host.tolist()
         produced = self._take(cur.plan, tokens, cur.logits, cur.samples)
-        self._record(cur.plan, cur.replayed, cur.start, cur.jit, cur.ahead, cur.jit_end)
+        self._record(cur.plan, cur.graph, cur.start, cur.jit, cur.ahead, cur.jit_end)
         return produced
 
     def _next_plan(self) -> ScheduledStep | None:
@@ -262,9 +265,10 @@ class Engine:
         logits, replayed = self.forward(batch)
         kept = logits.clone() if self.keep_logits else None
         tokens = logits.argmax(-1)
+        graph = _replayed_as(replayed)
         if tokens.device.type != "cuda":
             return LaunchedStep(plan, samples, tokens, kept, replayed, start, jit, ahead,
-                                host=tokens)
+                                host=tokens, graph=graph)
         # Hazard: reading ``tokens`` with ``tolist()`` would queue its copy behind the step
         # launched ahead on the same stream and wait for that one too (no overlap left). The
         # copy to pinned memory is queued now, and the host waits on its event alone.
@@ -273,7 +277,7 @@ class Engine:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(plan, samples, tokens, kept, replayed, start, jit, ahead, host=host,
-                            ready=ready)
+                            ready=ready, graph=graph)
 
     def _plan_ahead(self, cur: LaunchedStep) -> ScheduledStep | None:
         return self.scheduler.schedule() if self._may_run_ahead(cur) else None
@@ -287,9 +291,7 @@ class Engine:
         scheduler, which still counted it running, may admit a waiting request a step later
         than a serial engine would. (A request that stopped before ``cur`` was read has its
         row there discarded: it changes nothing.)"""
-        return not any(len(r.output) + 1 >= r.max_new_tokens and r.metrics.finish is None
-                       for r, sampled in zip(cur.plan.requests, cur.samples, strict=True)
-                       if sampled)
+        return self.overlap and not ends_by_length(cur.plan.requests, cur.samples)
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until every request is done (or ``max_steps``); returns the finished ones."""
@@ -371,9 +373,10 @@ class Engine:
             ahead_of.jit_end = self._jit_at_start
         return self.clock()
 
-    def _record(self, plan: ScheduledStep, replayed: GraphReplayer | None, start: float,
+    def _record(self, plan: ScheduledStep, graph: tuple[str, int] | None, start: float,
                 jit_at_start: int | None = None, ahead: bool = False,
                 jit_at_end: int | None = None) -> None:
+        """``graph``: the variant and bucket the step replayed (None: eager)."""
         jit = jit_watch.count() if jit_at_end is None else jit_at_end
         end = self.clock()
         # Overlapped steps: a step's time runs from the later of its launch and the previous
@@ -385,9 +388,9 @@ class Engine:
         self.timeline.append(StepRecord(
             index=len(self.timeline), mode=plan.mode.value, batch_size=len(plan.requests),
             tokens=plan.num_tokens, adapters=tuple(sorted(plan.adapters)),
-            graph=replayed is not None,
-            bucket=None if replayed is None else replayed.last_bucket,
-            variant=None if replayed is None else replayed.last_kind,
+            graph=graph is not None,
+            bucket=None if graph is None else graph[1],
+            variant=None if graph is None else graph[0],
             start=start, seconds=end - begin,
             compiles=None if jit is None or at_start is None else jit - at_start, ahead=ahead,
         ))
@@ -398,3 +401,17 @@ class Engine:
                 f"runs and it still does not fit (pinned adapters {pinned} hold slots of "
                 f"{self.scheduler.num_slots}). Unpin an adapter")
 
+
+
+def _replayed_as(replayed: GraphReplayer | None) -> tuple[str, int] | None:
+    """``(variant, bucket)`` of the replay ``replayed`` just ran (None: eager)."""
+    return None if replayed is None else (replayed.last_kind, replayed.last_bucket)
+
+
+def ends_by_length(requests: Sequence[Request], samples: Sequence[bool],
+                   pending: Collection[Request] = ()) -> bool:
+    """Whether a request reaches its ``max_new_tokens`` with the token this step samples.
+    ``pending``: requests with a token sampled by the step in flight, not read yet."""
+    return any(len(r.output) + (r in pending) + 1 >= r.max_new_tokens
+               and r.metrics.finish is None
+               for r, sampled in zip(requests, samples, strict=True) if sampled)
