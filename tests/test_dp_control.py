@@ -17,22 +17,31 @@ from runtime_helpers import ALL_TARGETS, make_runtime
 from lora_runtime.dp.launch import spawn
 
 
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp_control")
-    spawn(control_rank, 2, 2, str(out), timeout_s=60.0)
-    return [torch.load(out / f"control{r}.pt") for r in range(2)]
+def _spawned_logs(tmp_path_factory, scenario, tag: str) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"dp_{tag}")
+    spawn(scenario, 2, 2, str(out), timeout_s=60.0)
+    return [torch.load(out / f"{tag}{r}.pt") for r in range(2)]
 
 
-def test_loading_order_does_not_change_what_a_request_computes(logs):
+def _check_alone(log: dict, tokens: int) -> None:
+    """Each request of ``log["outputs"]`` has ``tokens`` tokens and the logits it has alone."""
     ref = make_runtime(CONFIG, dtype=torch.float32, device="cpu", backend="torch", slots=1,
                        max_rank=MAX_RANK, targets=ALL_TARGETS, kv_tokens=256)
     by_name = {a.name: a for a in adapters()}
+    for name, (output, logits) in log["outputs"].items():
+        assert len(output) == tokens
+        want = run_alone(ref, by_name, PROMPTS[name], name, output)
+        compare_with_alone(logits, want, output, torch.float32, f"request on {name}")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return _spawned_logs(tmp_path_factory, control_rank, "control")
+
+
+def test_loading_order_does_not_change_what_a_request_computes(logs):
     for log in logs:
-        for name, (output, logits) in log["outputs"].items():
-            assert len(output) == 6
-            want = run_alone(ref, by_name, PROMPTS[name], name, output)
-            compare_with_alone(logits, want, output, torch.float32, f"request on {name}")
+        _check_alone(log, 6)
 
 
 def test_pin_and_unload_are_refused_on_every_rank(logs):
@@ -54,20 +63,12 @@ def test_a_request_that_can_never_be_admitted_raises_on_every_rank(logs):
 
 @pytest.fixture(scope="module")
 def overlap_logs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp_overlap_control")
-    spawn(overlap_control_rank, 2, 2, str(out), timeout_s=60.0)
-    return [torch.load(out / f"overlap{r}.pt") for r in range(2)]
+    return _spawned_logs(tmp_path_factory, overlap_control_rank, "overlap")
 
 
 def test_ranks_run_ahead_together_so_control_calls_pair_up(overlap_logs):
-    ref = make_runtime(CONFIG, dtype=torch.float32, device="cpu", backend="torch", slots=1,
-                       max_rank=MAX_RANK, targets=ALL_TARGETS, kv_tokens=256)
-    by_name = {a.name: a for a in adapters()}
     for log, n in zip(overlap_logs, (6, 1), strict=True):
-        (name, (output, logits)), = log["outputs"].items()
-        assert len(output) == n
-        compare_with_alone(logits, run_alone(ref, by_name, PROMPTS[name], name, output),
-                           output, torch.float32, f"request on {name}")
+        _check_alone(log, n)
     assert [len(log["tight"][0]) for log in overlap_logs] == [6, 3]
     assert overlap_logs[0]["ahead"] == overlap_logs[1]["ahead"]
     assert any(overlap_logs[0]["ahead"]), "rank 0's decode steps must run ahead"

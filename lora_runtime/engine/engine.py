@@ -56,11 +56,11 @@ class LaunchedStep:
     """``tokens`` on the host (pinned on a GPU, valid once ``ready`` has completed)."""
     ready: torch.cuda.Event | None = None
     jit_end: int | None = None
+    """The compile count when the next step was launched ahead of this one's read: what
+    compiled after that is the next step's (None: count at the record)."""
     graph: tuple[str, int] | None = None
     """The graph variant and bucket replayed (None: eager), read at launch: a step launched
     ahead replays the same runner before this one is recorded."""
-    """The compile count when the next step was launched ahead of this one's read: what
-    compiled after that is the next step's (None: count at the record)."""
 
 
 class Engine:
