@@ -14,8 +14,8 @@ verification is one failed row, not timed.
 
 Rows: one per (runtime, path); derived: ``overhead_pct`` (lora over no_lora, same case and
 path), ``graph_kind``, ``tokens``, and where the forward reads every weight (all but the eager
-idle forward, which has no rows) ``floor_us`` (weight bytes over the measured copy bandwidth)
-and ``x_floor``.
+idle forward, which has no rows) ``floor_us`` (the weight matrices a forward reads whole,
+not the embedding table, over the measured copy bandwidth) and ``x_floor``.
 """
 
 from __future__ import annotations

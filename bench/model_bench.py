@@ -10,7 +10,8 @@ batch, the expected graph (with or without LoRA) replayed, and the static LoRA b
 neutral past the batch. A case that fails is reported as failed and not timed.
 
 Rows: one per (traffic, path); derived: ``tokens_per_s``, ``weight_bytes``, ``floor_us``
-(weight bytes over the measured copy bandwidth), ``x_floor``, ``graph_kind``, on LoRA
+(the bytes of the weight matrices a forward reads whole, not the embedding table, over
+the measured copy bandwidth), ``x_floor``, ``graph_kind``, on LoRA
 traffic rows ``lora_bytes`` and ``lora_floor_us`` (the batch's distinct adapters' weights, the
 least LoRA can add: ``bench.lora_floor``) and, on graph rows, the runtime's capture figures.
 """

@@ -5,17 +5,21 @@ run by ``bench.throughput_bench``, ``bench.idle_bench`` and ``bench.dp_bench`` (
 like every suite's, so they carry the case fields below as their key and the usual stats,
 telemetry and verification.
 
-throughput (``ThroughputCase``; variant ``{}``; ``timing``: per-step times, optional)
+throughput (``ThroughputCase``; variant ``{}``; ``timing``: the timed passes' wall times)
     derived: ``output_tokens_per_s``, ``requests_per_s``, ``ttft_p50_ms``, ``ttft_p99_ms``,
-    ``tpot_p50_ms``, ``tpot_p99_ms``, ``output_tokens``, ``duration_s``,
-    ``joules_per_token`` (``energy_j`` of ``ctx.telemetry.span()`` around the timed run /
-    ``output_tokens``; null without NVML),
-    ``pct_of_base`` (output tokens/s over the ``adapters=0`` case of the same workload).
+    ``tpot_p50_ms``, ``tpot_p99_ms``, ``output_tokens``, ``duration_s`` (of the median pass),
+    ``pass_energy_j`` and ``joules_per_token`` (the median pass's own energy, from
+    ``ctx.telemetry.span()`` around it, / ``output_tokens``; null without NVML; the row's
+    ``telemetry`` spans the whole case: warm-up, captures and every pass),
+    ``pct_of_base`` (with LoRA: the median over the timed passes of each pass's output
+    tokens/s as % of the base runtime's pass run just before it, inside the same case;
+    ``pct_of_base_pairs`` holds them).
 idle (``IdleCase``; variant ``{"runtime": "lora"|"no_lora", "path": "eager"|"graph"}``;
     ``timing``: the forward's time)
     derived: ``overhead_pct`` (over the ``no_lora`` row of the same case and path; null on
-    ``no_lora`` rows), ``graph_kind``, ``tokens``, ``floor_us`` / ``x_floor`` (weight bytes;
-    absent on the eager idle forward, which reads no weight).
+    ``no_lora`` rows), ``graph_kind``, ``tokens``, ``floor_us`` / ``x_floor`` (the weight
+    matrices read whole, not the embedding table; absent on the eager idle forward, which
+    reads no weight).
 dp (``DPCase``; variant ``{}``; ``timing``: step times of rank 0)
     derived: ``output_tokens_per_s``, ``requests_per_s``, ``idle_share`` (mean over ranks of
     the share of step time spent in idle forwards), ``idle_share_per_rank`` (list),

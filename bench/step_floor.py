@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from bench.hardware import Ceilings
 from lora_runtime.model.llama import LlamaForCausalLM
 
@@ -29,17 +31,10 @@ class StepFloor:
 
     @staticmethod
     def of(model: LlamaForCausalLM) -> StepFloor:
-        embed = model.model.embed_tokens.weight
-        seen, params, nbytes = set(), 0, 0
-        for p in model.parameters():
-            if p.dim() != 2 or p is embed and p is not model.lm_head.weight or id(p) in seen:
-                continue
-            seen.add(id(p))
-            params += p.numel()
-            nbytes += p.numel() * p.element_size()
+        nbytes, params = matrix_bytes(model)
         c = model.config
-        return StepFloor(nbytes, params, c.hidden_size * embed.element_size(),
-                         2 * c.num_layers * c.kv_size * embed.element_size())
+        size = _weight(model.model.embed_tokens).element_size()
+        return StepFloor(nbytes, params, c.hidden_size * size, 2 * c.num_layers * c.kv_size * size)
 
     def bytes(self, bs: int, context: int) -> int:
         return self.matrix_bytes + bs * (self.embed_row_bytes + context * self.kv_token_bytes)
@@ -53,3 +48,23 @@ class StepFloor:
         return {"bytes_floor_us": self.bytes(bs, context) * per_byte_us,
                 "roofline_floor_us": max(gemm_bytes_us, gemm_flops_us) + rest_us,
                 "gemms_compute_bound": gemm_flops_us > gemm_bytes_us}
+
+
+def matrix_bytes(model: LlamaForCausalLM) -> tuple[int, int]:
+    """``(bytes, params)`` of the weight matrices a forward reads whole: the layers'
+    projections and the lm_head, wrapped by LoRA layers or not. The embedding table counts
+    only where it is the lm_head's (tied): otherwise a forward reads just its batch's rows."""
+    embed, head = _weight(model.model.embed_tokens), _weight(model.lm_head)
+    seen, params, nbytes = set(), 0, 0
+    for p in model.parameters():
+        if p.dim() != 2 or p is embed and p is not head or id(p) in seen:
+            continue
+        seen.add(id(p))
+        params += p.numel()
+        nbytes += p.numel() * p.element_size()
+    return nbytes, params
+
+
+def _weight(module) -> torch.Tensor:
+    """A layer's weight, under its LoRA wrapper (``.base``) or not."""
+    return getattr(module, "base", module).weight

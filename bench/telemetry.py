@@ -6,7 +6,9 @@ A case's record: ``{"device", "driver", "before": snap, "after": snap, "seconds"
 "energy_j", "avg_power_w"}``, where a snap is ``{"sm_clock_mhz", "mem_clock_mhz",
 "power_w", "energy_mj", "memory_used_bytes", "temperature_c", "throttle": [names]}`` (a field
 is None where the device does not report it). ``energy_j`` is the difference of the total
-energy counter, so a throughput row can give joules per token: ``energy_j / tokens``.
+energy counter over the span. A suite row's record spans its whole case (warm-up and
+captures included); the throughput suite's joules per token come from a span around one
+timed pass (``pass_energy_j``), not from the row's record.
 """
 
 from __future__ import annotations

@@ -108,6 +108,7 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         "ttft_p50_ms": 1e3 * _q(ttft, 0.5), "ttft_p99_ms": 1e3 * _q(ttft, 0.99),
         "tpot_p50_ms": 1e3 * _q(tpot, 0.5) if tpot else None,
         "tpot_p99_ms": 1e3 * _q(tpot, 0.99) if tpot else None,
+        "pass_energy_j": energy,
         "joules_per_token": None if energy is None else energy / tokens,
         "graph_steps": sum(s.graph for s in timeline), "steps": len(timeline),
         "ahead_steps": sum(s.ahead for s in timeline),

@@ -175,3 +175,14 @@ def test_telemetry_off_without_a_gpu():
     with tele.span() as rec:
         pass
     assert rec == {}
+
+
+def test_quantiles_are_nearest_rank():
+    from bench.timing import Timing
+
+    five = Timing([5.0, 1.0, 4.0, 2.0, 3.0], "wall").stats()
+    assert (five["p20_us"], five["p80_us"], five["median_us"]) == (1.0, 4.0, 3.0)
+    ten = Timing([float(i) for i in range(1, 11)], "wall")
+    assert (ten.quantile(0.2), ten.quantile(0.8), ten.quantile(0.85)) == (2.0, 8.0, 9.0)
+    one = Timing([7.0], "wall")
+    assert one.quantile(0.2) == one.quantile(0.8) == 7.0

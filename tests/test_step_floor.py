@@ -26,3 +26,21 @@ def test_floor_counts_matrices_kv_and_embedding_rows_only():
     assert not small["gemms_compute_bound"] and big["gemms_compute_bound"]
     assert abs(small["roofline_floor_us"] - small["bytes_floor_us"]) < 1e-9
     assert big["roofline_floor_us"] > big["bytes_floor_us"]
+
+
+def test_a_lora_wrapped_model_reads_the_same_matrices_and_not_the_embedding_table():
+    import dataclasses
+
+    from runtime_helpers import ALL_TARGETS, make_runtime
+
+    from bench.step_floor import matrix_bytes
+
+    for tied in (False, True):
+        cfg = dataclasses.replace(tiny(2), tie_word_embeddings=tied)
+        plain = LlamaForCausalLM.empty(cfg, torch.float32, "cpu")
+        wrapped = make_runtime(cfg, dtype=torch.float32, device="cpu", backend="torch",
+                               slots=2, max_rank=4, targets=ALL_TARGETS).model
+        table = cfg.vocab_size * cfg.hidden_size * 4
+        every = sum({id(p): p.numel() * 4 for p in plain.parameters() if p.dim() == 2}.values())
+        assert matrix_bytes(plain)[0] == every - (0 if tied else table)
+        assert matrix_bytes(wrapped) == matrix_bytes(plain)
