@@ -67,6 +67,17 @@ class GraphRunner:
 
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> GraphRunner:
+        """Captures every bucket and variant; one that fails leaves no graph (``can_run`` is
+        False, so batches run eagerly) and no LoRA batch prepared."""
+        try:
+            return self._capture_all()
+        except BaseException:
+            self.graphs.clear()
+            if self.lora is not None:
+                self.lora.reset_lora_batch()
+            raise
+
+    def _capture_all(self) -> GraphRunner:
         buf = self.buffers
         kinds = [BASE]
         if self.lora is not None:

@@ -5,6 +5,7 @@ requests, freeing their KV cache."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -218,8 +219,8 @@ class Engine:
         plan = self._next_plan()
         if plan is None:
             return []
-        batch = self._build(plan)
-        logits, replayed = self.forward(batch)
+        with self._undone_on_error(plan):
+            logits, replayed = self.forward(self._build(plan))
         produced = self._sample(plan, logits)
         self._record(plan, _replayed_as(replayed), start)
         return produced
@@ -231,14 +232,40 @@ class Engine:
             plan = self._next_plan()
             if plan is None:
                 return []
-            cur = self._launch(plan, self._build(plan), start)
+            with self._undone_on_error(plan):
+                cur = self._launch(plan, self._build(plan), start)
         ahead = self._plan_ahead(cur)
         if ahead is not None:
             # Hazard: the next forward reuses the graph's static output; cur's tokens (and
             # kept logits) were taken from it by kernels enqueued before this launch.
             start = self._start_step(ahead_of=cur)
-            self._inflight = self._launch(ahead, self._build(ahead, cur), start, ahead=True)
+            try:
+                with self._undone_on_error(ahead):
+                    self._inflight = self._launch(ahead, self._build(ahead, cur), start,
+                                                  ahead=True)
+            except BaseException:
+                self._finish(cur)  # its tokens are the requests' (``output``) before raising
+                raise
         return self._finish(cur)
+
+    @contextlib.contextmanager
+    def _undone_on_error(self, plan: ScheduledStep):
+        """Building and launching ``plan``'s step: where it raises (a forward, a graph replay,
+        a KV allocation), the KV slots its build gave each request are freed and the LoRA batch
+        reset, so the next step rebuilds it (they would stay as cached tokens whose K/V was
+        never written, and a later step would compute over them)."""
+        held = [len(r.kv_slots) for r in plan.requests]
+        try:
+            yield
+        except BaseException:
+            for r, n in zip(plan.requests, held, strict=True):
+                if len(r.kv_slots) > n:
+                    kept = r.kv_slots.array[:n].tolist()
+                    self.kv.free(r.kv_slots.array[n:].tolist())
+                    r.kv_slots = kept
+            if self.lora is not None:
+                self.lora.reset_lora_batch()
+            raise
 
     def _finish(self, cur: LaunchedStep) -> list[tuple[Request, int]]:
         """Reads ``cur``'s tokens (waiting for its device work alone), retires its requests and

@@ -146,7 +146,9 @@ class LoRAManager:
     def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
                      pinned: bool = False) -> None:
         """Validates ``source`` (a PEFT folder or an adapter) and registers it. With ``pinned``
-        it also takes a slot now and is never evicted. On any error nothing changes."""
+        it also takes a slot now and is never evicted. On any error the loaded adapters are
+        unchanged; a slot write that failed leaves that slot empty (the adapter evicted for it
+        is written again when a batch next uses it)."""
         if name in self.adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
         adapter = source if isinstance(source, LoRAAdapter) else load_peft_adapter(source, name)
@@ -165,7 +167,11 @@ class LoRAManager:
                 raise AdapterError(f"cannot pin {name!r}: {e}") from e
         self.adapters[name], self.images[name] = adapter, image
         if pinned:
-            self._write_slot(slot, name)
+            try:
+                self._write_slot(slot, name)
+            except BaseException:
+                del self.adapters[name], self.images[name]
+                raise
             self.pool.pinned.add(name)
 
     @torch.no_grad()
@@ -209,6 +215,12 @@ class LoRAManager:
 
     @torch.no_grad()
     def _write_slot(self, slot: int, name: str) -> None:
+        # Hazard: the write zeroes the slot before copying in; one that fails part-way must
+        # not leave the table naming the old owner over a half-written slot (a later batch
+        # would serve it silently): the slot has no owner until the write has completed.
+        old = self.pool.owner[slot]
+        if old is not None:
+            self.pool.release(old)
         self.writer.write(self.images[name], slot)
         self.pool.assign(slot, name)
 
