@@ -366,6 +366,18 @@ MUTANTS = [
            (("        self._record(cur.plan, cur.graph, cur.start,",
              "        self._record(cur.plan, _replayed_as(cur.replayed), cur.start,"),),
            ("tests/test_engine_overlap.py::test_each_step_records_the_graph_it_replayed",)),
+    Mutant("failed_slot_write_keeps_owner",
+           "a slot write that fails after zeroing the slot leaves the table naming its old "
+           "adapter: a later batch serves the half-written slot",
+           "lora_runtime/lora/manager.py",
+           (("            self.pool.release(old)", "            pass"),),
+           ("tests/test_faults.py::test_a_failed_slot_write_never_serves_the_half_written_slot",)),
+    Mutant("failed_step_keeps_kv_slots",
+           "a step whose forward raised keeps the KV slots its build took, as cached tokens "
+           "whose K/V was never written",
+           "lora_runtime/engine/engine.py",
+           (("                if len(r.kv_slots) > n:", "                if False:"),),
+           ("tests/test_faults.py::test_a_step_that_raises_leaves_the_engine_serving_correctly",)),
     Mutant("floor_counts_rows",
            "LoRA's bytes floor counts an adapter once per row that uses it, not once a step",
            "bench/lora_floor.py",
