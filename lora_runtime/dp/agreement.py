@@ -108,10 +108,7 @@ def decide(ranks: tuple[RankStep, ...]) -> StepAgreement:
 def confirm(dp: DPGroup, choice: tuple[int, ...]) -> None:
     """Checks that every rank is about to run the same (rows, bucket, variant): a rank-local
     choice would give the collectives different sizes or paths and hang them."""
-    mine = torch.tensor(choice, dtype=torch.int64)
-    out = torch.empty(dp.size * mine.numel(), dtype=torch.int64)
-    _all_gather_into(out, mine, dp.cpu_group)
-    rows = [tuple(r) for r in out.view(dp.size, -1).tolist()]
+    rows = [tuple(r) for r in _gather_ints(dp, choice)]
     if len(set(rows)) != 1:
         raise RuntimeError(f"{dp.name}: ranks chose different steps (rows, bucket, lora) "
                            f"{rows}: the step must follow the agreement on every rank")
@@ -120,10 +117,7 @@ def confirm(dp: DPGroup, choice: tuple[int, ...]) -> None:
 def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
     """Raises on every rank where the ranks' ``setup`` values differ (they size the agreement's
     tensors and decide its collectives: a difference would abort gloo mid-step instead)."""
-    mine = torch.tensor(list(setup.values()), dtype=torch.int64)
-    out = torch.empty(dp.size * mine.numel(), dtype=torch.int64)
-    _all_gather_into(out, mine, dp.cpu_group)
-    per_rank = out.view(dp.size, -1).tolist()
+    per_rank = _gather_ints(dp, list(setup.values()))
     differ = {k: [row[i] for row in per_rank] for i, k in enumerate(setup)
               if len({row[i] for row in per_rank}) > 1}
     if differ:
@@ -134,9 +128,15 @@ def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
 
 def ranks_with(dp: DPGroup, flag: bool) -> list[int]:
     """The ranks whose ``flag`` is set (every rank calls it, and gets the same list)."""
-    out = torch.empty(dp.size, dtype=torch.int64)
-    _all_gather_into(out, torch.tensor([int(flag)], dtype=torch.int64), dp.cpu_group)
-    return [r for r, f in enumerate(out.tolist()) if f]
+    return [r for r, (f,) in enumerate(_gather_ints(dp, [int(flag)])) if f]
+
+
+def _gather_ints(dp: DPGroup, values) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), by rank, from one host all-gather."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(dp.size * mine.numel(), dtype=torch.int64)
+    _all_gather_into(out, mine, dp.cpu_group)
+    return out.view(dp.size, -1).tolist()
 
 
 def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
