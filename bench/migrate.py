@@ -19,11 +19,25 @@ class NotAResultFile(ValueError):
     """JSON that is not a benchmark result file (pytest-benchmark output, a profiler trace)."""
 
 
+class MalformedResultFile(ValueError):
+    """A result file whose structure is broken (hand-edited, or written by a broken tool)."""
+
+
 def to_current(data: dict) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         keys = sorted(data)[:4] if isinstance(data, dict) else type(data).__name__
         raise NotAResultFile(f"not a benchmark result file (no 'rows' list; found {keys})")
-    if data.get("schema", 1) >= 2:
+    schema = data.get("schema", 1)
+    if type(schema) is not int:
+        raise MalformedResultFile(f"'schema' is {schema!r}, not an integer")
+    if not isinstance(data.get("runs", {}), dict) or not all(
+            isinstance(v, dict) for v in data.get("runs", {}).values()):
+        raise MalformedResultFile("'runs' is not an object of run records")
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            raise MalformedResultFile(f"row {i} is {type(r).__name__}, not an object")
+    if schema >= 2:
+        _check_current(data)
         return data
     runs = {k: v | {"run_id": v.get("run_id", k)} for k, v in data.get("runs", {}).items()}
     rows = []
@@ -74,3 +88,20 @@ def _model_row(r: dict, lora_adapters: dict) -> dict:
     ver = {"status": "unverified", "error": None}
     return (_common(r, case, {"traffic": r["traffic"], "path": r["path"]}, MODEL_DERIVED, ver)
             | {"label": label})
+
+
+def _check_current(data: dict) -> None:
+    """The fields every reader of a schema-2 file relies on."""
+    if "runs" not in data:
+        raise MalformedResultFile("no 'runs' object")
+    for i, r in enumerate(data["rows"]):
+        missing = [k for k in ("suite", "label", "case_key", "variant", "verification")
+                   if k not in r]
+        if missing:
+            raise MalformedResultFile(f"row {i} has no {', '.join(missing)}")
+        if not isinstance(r["case_key"], list) or not isinstance(r["variant"], list):
+            raise MalformedResultFile(f"row {i}: 'case_key' and 'variant' must be lists")
+        if not isinstance(r["verification"], dict) or "status" not in r["verification"]:
+            raise MalformedResultFile(f"row {i}: 'verification' has no 'status'")
+        if r.get("stats") is not None and not isinstance(r["stats"], dict):
+            raise MalformedResultFile(f"row {i}: 'stats' is neither an object nor null")

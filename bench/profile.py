@@ -30,16 +30,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, metavar="DIR")
     p.add_argument("--torch", action="store_true", help="use the torch profiler even with nsys")
     args = p.parse_args(argv)
-    label = _one_case(args)
     cuda = torch.cuda.is_available()
+    if args.profile in PROFILES and PROFILES[args.profile].cuda and not cuda:
+        raise SystemExit(f"profile {args.profile!r} needs a CUDA device; use --profile cpu")
+    label = _one_case(args)
     slug = provenance.device_slug(torch.device("cuda" if cuda else "cpu"))
     out = args.out or (cli.RESULTS / "runs" /
                        f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{slug}-profile")
-    out.mkdir(parents=True, exist_ok=True)
-    bench_args = ["--profile", args.profile, "--filter", case_mod.exact(label), "--out",
-                  str(out), "--no-report"]
+    cli.prepare_out(out, [], None)
     nsys = shutil.which("nsys")
-    if nsys and cuda and not args.torch:
+    use_nsys = bool(nsys and cuda and not args.torch)
+    bench_args = ["--profile", args.profile, "--filter", case_mod.exact(label), "--out",
+                  str(out), "--no-report", "--profiled-by", "nsys" if use_nsys else "torch"]
+    if use_nsys:
         return _nsys(nsys, bench_args, out)
     why = "nsys is not installed" if not nsys else "no GPU" if not cuda else "--torch"
     print(f"{why}: recording a torch profiler trace instead (same range names)", flush=True)
@@ -50,7 +53,10 @@ def _one_case(args) -> str:
     profile = args.profile if args.profile != "auto" else (
         "gpu" if torch.cuda.is_available() else "cpu")
     ns = argparse.Namespace(suite=["all"], filter=args.filter)
-    labels = [c.label for cs in cli.select(ns, profile).values() for c in cs]
+    try:
+        labels = [c.label for cs in cli.select(ns, profile).values() for c in cs]
+    except SystemExit as e:  # select names the flag of python -m bench; here it is positional
+        raise SystemExit(str(e.code).replace("--filter ", "the filter ", 1)) from None
     if len(labels) > 1:
         shown = "\n  ".join(labels[:20])
         raise SystemExit(f"{args.filter!r} matches {len(labels)} cases; profile one (anchor it "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import math
 import shutil
 import subprocess
 import sys
@@ -56,12 +57,15 @@ def environment(runs: dict) -> str:
              "triton", "copy GB/s", "matmul TFLOP/s", "suite seconds"]
     rows = []
     for rid, r in sorted(runs.items()):
-        c = r.get("ceilings", {})
+        c = r.get("ceilings") or {}
         dirty = {True: " (dirty)", None: " (dirty: unknown)"}.get(r.get("git_dirty"), "")
-        secs = ", ".join(f"{k} {v:.0f}" for k, v in r.get("suite_seconds", {}).items())
-        rows.append([rid, r.get("profile", ""), r.get("device", ""), r.get("driver", ""),
-                     r.get("git_sha", "")[:10] + dirty, r.get("python", ""), r.get("torch", ""),
-                     r.get("cuda", ""), r.get("triton", ""), table.fmt(c.get("copy_gbps"), ".0f"),
+        secs = ", ".join(f"{k} {table.fmt(v, '.0f')}"
+                         for k, v in (r.get("suite_seconds") or {}).items())
+        profiled = f" (under {r['profiled_by']})" if r.get("profiled_by") else ""
+        rows.append([rid, (r.get("profile") or "") + profiled, r.get("device", ""),
+                     r.get("driver", ""), str(r.get("git_sha") or "")[:10] + dirty,
+                     r.get("python", ""), r.get("torch", ""), r.get("cuda", ""),
+                     r.get("triton", ""), table.fmt(c.get("copy_gbps"), ".0f"),
                      table.fmt(c.get("matmul_tflops"), ".1f"), secs or "-"])
     return _table(heads, rows)
 
@@ -72,19 +76,25 @@ def verification(rows: list[dict]) -> str:
         k = (r["suite"], r["verification"]["status"])
         count[k] = count.get(k, 0) + 1
     out = _table(["suite", "status", "rows"], [[s, v, n] for (s, v), n in sorted(count.items())])
-    bad = [[r["label"], r["verification"].get("error") or "", r["reproduce"]] for r in rows
-           if r["verification"]["status"] == "failed"]
+    failed = {results.case_id(r): r for r in rows if r["verification"]["status"] == "failed"}
+    bad = [[r["label"], r["verification"].get("error") or "", r.get("reproduce", "")]
+           for r in failed.values()]
     if bad:
         out += "<h3>Failed cases</h3>" + _table(["case", "error", "reproduce"], bad, "bad")
     return out
 
 
+def _timed(r: dict) -> bool:
+    m = (r.get("stats") or {}).get("median_us")
+    return isinstance(m, (int, float)) and math.isfinite(m) and m > 0
+
+
 def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
-    base = {(r.get("device"), results.row_id(r)): r for r in base_rows if r.get("stats")}
+    base = {(r.get("device"), results.row_id(r)): r for r in base_rows if _timed(r)}
     pairs, cells = [], []
     for r in rows:
         b = base.get((r.get("device"), results.row_id(r)))
-        if b is None or not r.get("stats"):
+        if b is None or not _timed(r):
             continue
         ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
         variant = " ".join(str(r.get(k)) for k in r["variant"])
@@ -99,6 +109,16 @@ def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
     regressions = sum(1 for _, v in pairs if v > REGRESSION)
     head = (f"<p>{len(pairs)} rows in both runs; <b>{regressions}</b> more than "
             f"{100 * (REGRESSION - 1):.0f}% slower than the baseline.</p>")
+    if not pairs:
+        mine = sorted({str(r.get("device")) for r in rows})
+        theirs = sorted({str(r.get("device")) for r in base_rows})
+        why = (f"the baseline's devices ({', '.join(theirs) or 'none'}) are not this run's "
+               f"({', '.join(mine) or 'none'}): compare runs of one device"
+               if not set(mine) & set(theirs) else
+               "no timed case of this run is in the baseline (other suites, presets or "
+               "profiles?)")
+        head += f'<p class="bad">Nothing compared: {html.escape(why)}.</p>'
+
     return head + _table(["case [variant]", "baseline us", "this run us", "ratio", ""],
                          cells), pairs
 
@@ -113,9 +133,10 @@ def kernel_headline(rows: list[dict]) -> str:
         return r.get("device"), r.get("preset"), r.get("dtype"), r["module"], r["tokens"]
 
     top: dict[tuple, tuple] = {}
-    for r in rows:
-        top[key(r)] = max(top.get(key(r), (0, 0)), (r["adapters"], r["rank"]))
-    head = [r for r in rows if top[key(r)] == (r["adapters"], r["rank"])]
+    for r in rows:  # a case that failed or was not timed has no cells: not the headline's
+        if r.get("stats") and r["verification"]["status"] != "failed":
+            top[key(r)] = max(top.get(key(r), (0, 0)), (r["adapters"], r["rank"]))
+    head = [r for r in rows if top.get(key(r)) == (r["adapters"], r["rank"])]
     return (_table(*table.kernel_cells(head))
             + f"<details><summary>all {len({results.case_id(r) for r in rows})} kernel cases"
             f"</summary>{_table(*table.kernel_cells(rows))}</details>")
@@ -233,10 +254,18 @@ def write_report(paths: list[Path], baseline: list[Path], out: Path,
     return out
 
 
+def _writable_page(out: Path) -> Path:
+    if out.is_dir():
+        raise SystemExit(f"-o {out} is a folder: give the HTML file's path "
+                         f"(e.g. {out / 'report.html'})")
+    return out
+
+
 def newest_run_folder(runs_dir: Path) -> Path | None:
-    """The newest run folder (``<YYYYmmdd-HHMMSS>-<device>``) holding result files; a profile
-    run's folder may hold only a trace."""
-    folders = sorted((p for p in runs_dir.glob("*/") if p.name[:8].isdigit()), reverse=True)
+    """The newest run folder (``<YYYYmmdd-HHMMSS>-<device>``) holding result files. A profile
+    session's folder (``...-profile``) is not one: its case was timed under a profiler."""
+    folders = sorted((p for p in runs_dir.glob("*/") if p.name[:8].isdigit()
+                      and not p.name.endswith("-profile")), reverse=True)
     return next((p for p in folders if results.holds_results(p)), None)
 
 
@@ -267,7 +296,8 @@ def main(argv=None) -> int:
     missing = [str(q) for q in [*paths, *args.baseline] if not q.exists()]
     if missing:
         raise SystemExit(f"no such result file or folder: {', '.join(missing)}")
-    out = args.output or ((paths[0] if paths[0].is_dir() else paths[0].parent) / "report.html")
+    out = _writable_page(args.output or (
+        (paths[0] if paths[0].is_dir() else paths[0].parent) / "report.html"))
     try:
         write_report(paths, args.baseline, out, need_rows=True)
     except results.ResultFileError as e:
@@ -283,6 +313,8 @@ def screenshot(page: Path, png: Path, size: str = "1400,2400") -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         raise SystemExit("--screenshot needs chromium (Debian: apt-get install -y chromium)")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    png.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                         "--disable-background-networking", "--disable-component-update",
@@ -290,6 +322,9 @@ def screenshot(page: Path, png: Path, size: str = "1400,2400") -> None:
                         "--virtual-time-budget=15000", f"--window-size={size}",
                         f"--screenshot={png.resolve()}", page.resolve().as_uri()],
                        check=True, capture_output=True, timeout=180)
+    if not png.is_file():  # chromium exits 0 when it could not write the file
+        raise SystemExit(f"--screenshot {png}: chromium wrote no file (is the folder "
+                         "writable?)")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,18 @@ def _fig(title: str, x: str, y: str, log_x=False, log_y=False) -> go.Figure:
     return f
 
 
+def _setup(rows, fields: tuple[str, ...], group=lambda r: None):
+    """``row -> str`` naming those of ``fields`` whose values differ among rows of one
+    ``group`` (runs of other layer counts, presets or contexts must never share a bar or a
+    line; a field that only tells groups apart is already in their name)."""
+    values = defaultdict(set)
+    for r in rows:
+        for f in fields:
+            values[(group(r), f)].add(r.get(f))
+    varying = [f for f in fields if any(len(values[(g, f)]) > 1 for g in map(group, rows))]
+    return lambda r: "".join(f" {f}={r.get(f)}" for f in varying)
+
+
 def _lines(fig: go.Figure, series: dict, sort=True) -> go.Figure:
     for name, pts in series.items():
         pts = sorted(pts) if sort else pts
@@ -83,19 +95,27 @@ def _model_cells(rows, field=None):
     return cell
 
 
-def _model_name(base) -> str:
-    preset, layers, _, _, step = base
-    return f"{preset} L={layers}" + ("" if step == "decode" else f" {step}")
+def _model_namer(cell):
+    """Names of the model cells' set-ups: preset and layers, the step where not decode, and
+    the context and dtype where the rows differ in them."""
+    bases = {k[0] for k in cell}
+    ctx, dt = (len({b[i] for b in bases}) > 1 for i in (2, 3))
+
+    def name(base) -> str:
+        preset, layers, context, dtype, step = base
+        return (f"{preset} L={layers}" + (f" ctx={context}" if ctx else "")
+                + (f" {dtype}" if dt else "") + ("" if step == "decode" else f" {step}"))
+    return name
 
 
 def model_graph_vs_eager(rows) -> list[go.Figure]:
     cell = _model_cells(rows)
-    figs = {}
+    model_name, figs = _model_namer(cell), {}
     for (base, bs, a, rk, traffic, path), eager in cell.items():
         graph = cell.get((base, bs, a, rk, traffic, "graph"))
         if path != "eager" or not graph:
             continue
-        name = _model_name(base)
+        name = model_name(base)
         fig = figs.setdefault(name, (_fig(f"Graph speed-up over eager (eager / graph step): "
                                           f"{name}", "batch size", "speed-up (x)",
                                           log_x=True), defaultdict(list)))
@@ -108,12 +128,12 @@ def model_lora_cost(rows) -> list[go.Figure]:
     """LoRA's cost over the runtime without LoRA, and beside it LoRA's bytes floor (its
     adapters read once at the copy rate) over the same replay: the least LoRA can add."""
     cell, floor = _model_cells(rows), _model_cells(rows, "lora_floor_us")
-    figs = {}
+    model_name, figs = _model_namer(cell), {}
     for (base, bs, a, rk, traffic, path), t in cell.items():
         ref = cell.get((base, bs, 0, "", "base", path))
         if not a or path not in ("graph", "replay_only") or not ref:
             continue
-        name = _model_name(base)
+        name = model_name(base)
         fig = figs.setdefault(name, (_fig(f"LoRA cost over the runtime without LoRA: {name}",
                                           "batch size", "% over no-LoRA", log_x=True),
                                      defaultdict(list)))
@@ -128,9 +148,9 @@ def model_lora_cost(rows) -> list[go.Figure]:
 def throughput(rows) -> list[go.Figure]:
     tp = [r for r in rows if r["suite"] == "throughput"
           and r["derived"].get("output_tokens_per_s") is not None]
-    figs = []
-    for wl in dict.fromkeys((r["preset"], r["workload"]) for r in tp):
-        mine = [r for r in tp if (r["preset"], r["workload"]) == wl]
+    figs, setup = [], _setup(tp, ("layers", "dtype", "requests"))
+    for wl in dict.fromkeys((r["preset"], r["workload"] + setup(r)) for r in tp):
+        mine = [r for r in tp if (r["preset"], r["workload"] + setup(r)) == wl]
         series = defaultdict(list)
         for r in mine:
             if r["adapters"]:
@@ -152,9 +172,11 @@ def idle(rows) -> list[go.Figure]:
         return []
     fig = _fig("Idle path: forward time, LoRA runtime vs runtime without LoRA", "scenario",
                "median us")
+    setup = _setup(idl, ("preset", "layers", "dtype", "context", "adapters", "rank"),
+                   group=lambda r: r["scenario"])
     for runtime in ("no_lora", "lora"):
         for path in ("eager", "graph"):
-            pts = [(f"{r['scenario']} bs={r['batch_size']}", _med(r)) for r in idl
+            pts = [(f"{r['scenario']} bs={r['batch_size']}{setup(r)}", _med(r)) for r in idl
                    if r.get("runtime") == runtime and r.get("path") == path]
             if pts:
                 fig.add_trace(go.Bar(x=[p[0] for p in pts], y=[p[1] for p in pts],
@@ -169,8 +191,10 @@ def dp(rows) -> list[go.Figure]:
     if not d:
         return []
     series, idle_share, idle_us = defaultdict(list), defaultdict(list), defaultdict(list)
+    setup = _setup(d, ("preset", "layers", "dtype"))
     for r in d:
-        lora = f"adapters={r['adapters']} r={r['ranks']}" if r["adapters"] else "no LoRA"
+        lora = (f"adapters={r['adapters']} r={r['ranks']}" if r["adapters"] else "no LoRA"
+                ) + setup(r)
         series[f"{r['load']}, {lora}"].append((r["dp_size"], r["derived"]["output_tokens_per_s"]))
         if r["derived"].get("idle_share") is not None:
             idle_share[f"{r['load']}, {lora}"].append((r["dp_size"],
@@ -178,7 +202,7 @@ def dp(rows) -> list[go.Figure]:
         for variant in ("lora", "peers", "base") if r["adapters"] else ():
             us = r["derived"].get(f"idle_forward_{variant}_us")
             if us is not None:
-                idle_us[f"{variant} variant, {r['load']}"].append((r["dp_size"], us))
+                idle_us[f"{variant} variant, {r['load']}{setup(r)}"].append((r["dp_size"], us))
     figs = [_lines(_fig("DP scaling: output tokens/s vs DP size", "DP size", "output tokens/s"),
                    dict(sorted(series.items())))]
     if idle_share:

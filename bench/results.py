@@ -64,6 +64,9 @@ class NotAResultFile(ResultFileError):
 def load(path: Path) -> dict:
     """A result file, migrated to the current schema in memory."""
     path = Path(path)
+    if path.suffix != ".json":
+        raise ResultFileError(f"{path}: not a result file (result files are the suites' "
+                              "*.json files, or pass the run folder holding them)")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -72,9 +75,13 @@ def load(path: Path) -> dict:
         raise ResultFileError(f"{path}: not valid JSON ({what}); the file is truncated or "
                               "corrupt: restore it or delete it and re-run its suite") from None
     try:
-        return migrate.to_current(data)
+        data = migrate.to_current(data)
     except migrate.NotAResultFile as e:
         raise NotAResultFile(f"{path}: {e}") from None
+    except migrate.MalformedResultFile as e:
+        raise ResultFileError(f"{path}: {e}; restore the file or delete it and re-run its "
+                              "suite") from None
+    return data
 
 
 def upsert(path: Path, run: dict, rows: list[dict]) -> dict:
@@ -108,11 +115,16 @@ def holds_results(folder: Path) -> bool:
 def rows_of(paths: list[Path], note=None) -> tuple[list[dict], dict]:
     """Rows and runs of result files or run folders (every ``*.json`` in a folder). A folder's
     JSON files that are not result files are skipped with a note (``note``, default: a line
-    on stderr); a file named explicitly must be a result file."""
-    rows, runs, skipped = [], {}, []
+    on stderr); a file named explicitly must be a result file. A file read twice (a folder and
+    a file in it) and a row found in two files (a run folder and the results it published)
+    count once."""
+    rows, runs, skipped, seen_files, seen_rows = [], {}, [], set(), set()
     for p in paths:
         files = sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)]
         for f in files:
+            if f.resolve() in seen_files:
+                continue
+            seen_files.add(f.resolve())
             try:
                 data = load(f)
             except NotAResultFile:
@@ -120,7 +132,10 @@ def rows_of(paths: list[Path], note=None) -> tuple[list[dict], dict]:
                     raise
                 skipped.append(str(f))
                 continue
-            rows += data["rows"]
+            for r in data["rows"]:
+                if (r.get("run_id"), row_id(r)) not in seen_rows:
+                    seen_rows.add((r.get("run_id"), row_id(r)))
+                    rows.append(r)
             for rid, run in data["runs"].items():
                 # One run writes one file per suite, each recording the suites done so far:
                 # keep every suite's seconds whichever file is read last.
@@ -135,15 +150,19 @@ def rows_of(paths: list[Path], note=None) -> tuple[list[dict], dict]:
 
 def latest_per_case(rows: list[dict], runs: dict) -> tuple[list[dict], int]:
     """Of rows of the same case on the same device from several runs, the latest run's
-    (run ids start with the run's UTC time), and how many rows that superseded."""
+    (run ids start with the run's UTC time), and how many rows that superseded. A run timed
+    under a profiler (``profiled_by``) never supersedes one that was not."""
     def key(r):
         return runs.get(r.get("run_id"), {}).get("device"), case_id(r)
 
-    latest: dict[tuple, str] = {}
+    def rank(r):
+        run_id = r.get("run_id") or ""
+        return not runs.get(run_id, {}).get("profiled_by"), run_id
+
+    latest: dict[tuple, tuple] = {}
     for r in rows:
-        k = key(r)
-        latest[k] = max(latest.get(k, ""), r.get("run_id") or "")
-    kept = [r for r in rows if (r.get("run_id") or "") == latest[key(r)]]
+        latest[key(r)] = max(latest.get(key(r), (False, "")), rank(r))
+    kept = [r for r in rows if rank(r) == latest[key(r)]]
     return kept, len(rows) - len(kept)
 
 

@@ -46,7 +46,7 @@ def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                     m, str(t), str(a), str(rk), fmt(_med(tri)), fmt(d.get("x_floor"), ".3g"),
                     fmt(d.get("achieved_gbps"), ".0f"), fmt(_med(p.get("triton_shrink"))),
                     fmt(_med(p.get("triton_expand"))), fmt(_med(p.get("torch"))),
-                    fmt(_med(p.get("base"))), fmt(d.get("pct_of_base"), ".3g") + "%",
+                    fmt(_med(p.get("base"))), pct(d.get("pct_of_base")),
                     _added(p.get("module")), _added(p.get("module_serial"))])
     return ([*(["set-up"] if several else []), "module", "T", "adapters", "r", "LoRA us",
              "x floor", "GB/s", "shrink us", "expand us", "torch ref us", "base GEMM us",
@@ -55,7 +55,10 @@ def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def _added(row: dict | None) -> str:
     """A module row's ``lora_added_pct`` (what LoRA adds to the GEMM, in one graph)."""
-    value = None if not row else row.get("derived", {}).get("lora_added_pct")
+    return pct(None if not row else row.get("derived", {}).get("lora_added_pct"))
+
+
+def pct(value) -> str:
     return "-" if value is None else fmt(value, ".3g") + "%"
 
 
@@ -82,11 +85,12 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         ratio = r.get("derived", {}).get("eager_lora_over_base")
         if ratio is not None:
             eager_ratio[(base, r["adapters"], r["ranks"])] = ratio
-    out = []
+    out, bases = [], {k[0] for k in cell}
+    ctx_varies, dtype_varies = (len({b[i] for b in bases}) > 1 for i in (3, 5))
     for (base, adapters, ranks, traffic, path) in cell:
         if not adapters or traffic != "lora" or path != "graph":
             continue
-        step, preset, layers, _, bs, _ = base
+        step, preset, layers, context, bs, dtype = base
 
         def nl(p, base=base):
             return cell.get((base, 0, "", "base", p))
@@ -101,7 +105,9 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                       if floor_us is not None and nl("replay_only") else None)
         gain = (lo("lora", "eager") / lo("lora", "graph")
                 if lo("lora", "eager") and lo("lora", "graph") else None)
-        model = f"{preset} ({layers} layers{'' if step == 'decode' else ', ' + step})"
+        model = (f"{preset} ({layers} layers" + (f", ctx {context}" if ctx_varies else "")
+                 + (f", {dtype}" if dtype_varies else "")
+                 + f"{'' if step == 'decode' else ', ' + step})")
         out.append([model, str(bs), str(adapters), ranks,
                     fmt(nl("eager"), ".0f"), fmt(nl("graph"), ".0f"),
                     fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),

@@ -1,0 +1,159 @@
+"""The report on inputs users make by accident: the same rows read twice (a run folder and the
+results it published), a headline case that failed, a profile session's folder, broken or
+hand-edited result files, baselines with nothing to compare or no usable median, runs of
+other layer counts beside each other, and output paths that cannot be written."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from report_rows import RUN, rows
+
+pytest.importorskip("plotly", reason="the report needs plotly (pip install plotly)")
+from bench import profile as bench_profile  # noqa: E402
+from bench import report, report_charts  # noqa: E402
+
+
+def _result(path: Path, data_rows: list[dict], run: dict = RUN) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_rows = [r | {"run_id": run["run_id"]} for r in data_rows]
+    path.write_text(json.dumps({"schema": 2, "runs": {run["run_id"]: run}, "rows": data_rows}))
+    return path
+
+
+def _count(page: str, suite: str, status: str = "verified") -> int:
+    return int(re.search(rf"<td>{suite}</td><td>{status}</td><td>(\d+)</td>", page).group(1))
+
+
+def test_rows_read_twice_count_once(tmp_path):
+    run = _result(tmp_path / "run" / "kernels.json", rows())
+    published = _result(tmp_path / "results" / "kernels.json", rows())
+    once = report.write_report([run], [], tmp_path / "once.html").read_text()
+    for paths in ([run, published], [run.parent, run], [run, run]):
+        page = report.write_report(paths, [], tmp_path / "r.html").read_text()
+        assert _count(page, "kernels") == _count(once, "kernels")
+        assert _count(page, "model") == _count(once, "model")
+        assert "superseded" not in page
+    page = report.write_report([run], [published], tmp_path / "b.html").read_text()
+    timed = sum(1 for r in rows() if r.get("stats"))
+    assert f"<p>{timed} rows in both runs;" in page
+
+
+def test_the_kernel_headline_skips_a_failed_top_case(tmp_path):
+    data = rows()
+    for r in data:  # the largest qkv_proj case at T=16 fails, untimed
+        if (r["suite"], r.get("module"), r.get("tokens"), r.get("adapters")) == (
+                "kernels", "qkv_proj", 16, 4):
+            r["stats"], r["verification"] = None, {"status": "failed", "error": "bad"}
+    page = report.write_report([_result(tmp_path / "k.json", data)], [],
+                               tmp_path / "r.html").read_text()
+    head = page.split("Headline: kernels")[1].split("<details>")[0]
+    assert re.findall(r"<td>qkv_proj</td><td>16</td><td>(\d+)</td>", head) == ["1"]
+    failed = page.split("<h3>Failed cases</h3>")[1].split("</table>")[0]
+    assert failed.count("<tr><td>kernels qkv_proj T=16 adapters=4") == 1, "one line a case"
+
+
+def test_a_profile_session_s_rows_never_win(tmp_path, monkeypatch):
+    runs = tmp_path / "results" / "runs"
+    real = _result(runs / "20260101-000000-cpu" / "k.json", rows())
+    profiled = RUN | {"run_id": "20260102-000000-abc", "profiled_by": "torch"}
+    _result(runs / "20260102-000000-cpu-profile" / "k.json", rows(scale=5.0), profiled)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    assert report.main([]) == 0
+    assert (real.parent / "report.html").exists()
+    assert report.newest_run_folder(runs) == real.parent
+    page = report.write_report([runs / "20260102-000000-cpu-profile", real.parent], [],
+                               tmp_path / "r.html").read_text()
+    assert "(under torch)" in page and f"{len(rows())} rows superseded" in page
+    kernels = page.split("Headline: kernels")[1].split("<details>")[0]
+    assert "<td>8.1</td>" in kernels, "the unprofiled run's medians are shown"
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda d: d.update(schema="2"), "'schema' is '2'"),
+    (lambda d: d["rows"].insert(0, 7), "row 0 is int"),
+    (lambda d: d.pop("runs"), "no 'runs'"),
+    (lambda d: d["rows"][0].pop("verification"), "row 0 has no verification"),
+    (lambda d: d["rows"][0].update(case_key="module"), "must be lists"),
+    (lambda d: d["rows"][0].update(stats=[1]), "'stats' is neither"),
+])
+def test_a_malformed_result_file_is_an_error_naming_it(tmp_path, mutate, says):
+    path = _result(tmp_path / "k.json", rows()[:4])
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match=re.escape(str(path)) + ".*" + re.escape(says)):
+        report.main([str(path), "-o", str(tmp_path / "r.html")])
+
+
+def test_run_records_with_null_fields_still_report(tmp_path):
+    run = RUN | {"suite_seconds": {"kernels": None}, "git_sha": None, "ceilings": None}
+    page = report.write_report([_result(tmp_path / "k.json", rows()[:4], run)], [],
+                               tmp_path / "r.html").read_text()
+    assert "kernels -" in page
+
+
+def test_a_report_page_is_not_a_result_file(tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text("<html></html>")
+    with pytest.raises(SystemExit, match="not a result file"):
+        report.main([str(page), "-o", str(tmp_path / "r.html")])
+
+
+@pytest.mark.parametrize("median", [0.0, None, math.inf])
+def test_baseline_rows_without_a_usable_median_are_not_compared(median):
+    base = [r | {"device": "g"} for r in rows() if r.get("stats")]
+    base[0] = base[0] | {"stats": base[0]["stats"] | {"median_us": median}}
+    _, pairs = report.deltas(base, base)
+    assert len(pairs) == len(base) - 1 and all(v == 1.0 for _, v in pairs)
+    _, pairs = report.deltas(base[:1], base[1:])
+    assert pairs == []
+
+
+def test_a_baseline_of_another_device_says_why_nothing_compared():
+    mine = [r | {"device": "cpu"} for r in rows()]
+    text, pairs = report.deltas(mine, [r | {"device": "NVIDIA H200"} for r in rows()])
+    assert pairs == [] and "devices (NVIDIA H200) are not this run&#x27;s (cpu)" in text
+    text, _ = report.deltas(mine, mine)
+    assert "Nothing compared" not in text
+
+
+def test_runs_of_other_layer_counts_never_share_a_line_or_bar():
+    def at(layers, data):
+        return [r | {"layers": layers} for r in data]
+    two = at(4, rows()) + at(2, rows(scale=0.5))
+    for chart, suite in ((report_charts.dp, "dp"), (report_charts.idle, "idle"),
+                         (report_charts.throughput, "throughput")):
+        mine = [r for r in two if r["suite"] == suite]
+        alone = [r for r in rows() if r["suite"] == suite]
+        traces = [t for f in chart(mine) for t in f.data]
+        names_x = [(f.layout.title.text, t.name, tuple(t.x)) for f in chart(mine) for t in f.data]
+        assert len(names_x) == len(set(names_x)), suite
+        points = sum(len(t.x) for t in traces)
+        assert points == 2 * sum(len(t.x) for f in chart(alone) for t in f.data), suite
+        assert all(len(set(t.x)) == len(t.x) for t in traces), suite
+    assert "layers=" not in str([t.name for f in report_charts.dp(rows()) for t in f.data])
+
+
+def test_an_output_that_cannot_be_written_is_an_error(tmp_path):
+    k = _result(tmp_path / "k.json", rows()[:4])
+    with pytest.raises(SystemExit, match="is a folder"):
+        report.main([str(k), "-o", str(tmp_path)])
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit, match="is a file, not a folder"):
+        bench_profile.main(["^kernels qkv_proj T=1 adapters=1 r=8$", "--out", str(afile)])
+
+
+def test_the_profile_session_refuses_a_gpu_profile_without_a_gpu_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_profile.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "p"
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench_profile.main(["x", "--profile", "gpu", "--out", str(out)])
+    assert not out.exists()
+    with pytest.raises(SystemExit, match="^the filter 'nomatch' matches no case"):
+        bench_profile.main(["nomatch", "--out", str(out)])
