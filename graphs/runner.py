@@ -118,6 +118,14 @@ class GraphRunner:
     def mode(self) -> ForwardMode:
         return self.buffers.mode
 
+    @property
+    def buckets(self) -> list[int]:
+        return self.buffers.buckets
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         return self.buffers.bucket_for(batch)
 

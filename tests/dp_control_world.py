@@ -110,3 +110,61 @@ def overlap_control_rank(rank: int, size: int, out_dir: str) -> None:
         log["unsharded"] = str(e)
     torch.save(log, Path(out_dir, f"overlap{rank}.pt"))
     shutdown(torch.device("cpu"))
+
+
+def diverging_rank(rank: int, size: int, out_dir: str) -> None:
+    """Ranks whose calls or set-ups diverge: each divergence raises on every rank, and the
+    ranks go on serving in step afterwards."""
+    from dataclasses import replace
+
+    from graphs.runner import GraphRunner
+
+    dp = init_dp(torch.device("cpu"))
+    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
+    shard_mlp(model, dp)
+    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
+    runner = ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora)
+    cfg = SchedulerConfig(max_batch_size=4, max_step_tokens=16)
+    eng = DPEngine(runner, dp, cfg, keep_logits=True)
+    ads = adapters()
+    for ad in ads:
+        if ad.name == "ad1" and rank == 1:  # other weights under the same name
+            mods = {k: replace(m, b=m.b * 1.5) for k, m in ad.modules.items()}
+            ad = replace(ad, modules=mods)
+        eng.load_adapter(ad.name, ad)
+    log: dict[str, object] = {}
+
+    def attempt(key, fn):
+        try:
+            log[key] = fn()
+        except (ValueError, RuntimeError) as e:
+            log[key] = f"{type(e).__name__}: {e}"
+
+    attempt("same name, other weights", lambda: eng.generate([PROMPTS["ad0"]], ["ad0"], 6))
+    eng.unload_adapter("ad1")  # the fix, on every rank; the request on ad0 stays queued
+    eng.load_adapter("ad1", ads[1])
+    req = eng.scheduler.waiting[0] if eng.scheduler.waiting else eng.scheduler.running[0]
+    eng.run()
+    log["outputs"] = {"ad0": (list(req.output), [t.clone() for t in eng.logits[req.id]])}
+    # A bad prompt on rank 1 only: refused there, rank 0 served, and the next calls pair up.
+    bad = [[CONFIG.vocab_size + 5]] if rank == 1 else [PROMPTS["ad2"]]
+    attempt("bad generate", lambda: eng.generate(bad, ["ad2"], 4))
+    attempt("next generate", lambda: eng.generate([[3, 1, 4]], [None], 2 + rank))
+    # warm_up with a request queued on rank 0 only: refused on every rank.
+    if rank == 0:
+        eng.add_request([5, 6], None, max_new_tokens=2)
+    attempt("warm_up", lambda: eng.warm_up())
+    eng.run()
+    # A control call on rank 0 while rank 1 steps: both name the other's call.
+    attempt("diverging call",
+            lambda: eng.unload_adapter("ad3") if rank == 0 else eng.step())
+    log["after"] = eng.generate([[2, 7]], ["ad3"], 3)
+    for key, other in (("step tokens", replace(cfg, max_step_tokens=16 + 16 * rank)),
+                       ("chunked", replace(cfg, chunked_prefill=rank == 0))):
+        attempt(key, lambda other=other: DPEngine(runner, dp, other))
+    graphs = [GraphRunner.decode(runner, [1, 2 + 2 * rank], 64)]
+    attempt("graphs", lambda: DPEngine(runner, dp, cfg, graphs))
+    small = ModelRunner(model, KVCache(CONFIG, 100 + 100 * rank, torch.float32, "cpu"), lora)
+    attempt("kv", lambda: DPEngine(small, dp, cfg))
+    torch.save(log, Path(out_dir, f"diverging{rank}.pt"))
+    shutdown(torch.device("cpu"))

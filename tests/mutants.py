@@ -454,9 +454,32 @@ MUTANTS = [
     Mutant("dp_unload_checks_own_rank",
            "DP: an unload is refused only on the rank whose requests use the adapter",
            "lora_runtime/dp/dp_engine.py",
-           (("        users = ranks_with(self.dp, mine)",
+           (("        users = self.host.ranks_with(mine, \"unload_adapter\")",
              "        users = [self.dp.rank] if mine else []"),),
            ("tests/test_dp_control.py::test_pin_and_unload_are_refused_on_every_rank",)),
+    Mutant("dp_digest_names_only",
+           "DP: the ranks compare loaded adapters by name only (other weights under one name "
+           "are served, wrong on every rank)",
+           "lora_runtime/dp/dp_engine.py",
+           (("            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names])",
+             "            self.lora.pool.owner, names)"),),
+           ("tests/test_dp_control.py::test_one_name_with_other_weights_is_refused_on_every_"
+            "rank",)),
+    Mutant("dp_refused_generate_leaves_peers",
+           "DP: a generate refused on one rank returns at once; the peers' steps pair with its "
+           "next call",
+           "lora_runtime/dp/dp_engine.py",
+           (("            # with them, so every rank's next call pairs up, then raise.\n"
+             "            self.run()\n",
+             "            # with them, so every rank's next call pairs up, then raise.\n"),),
+           ("tests/test_dp_control.py::test_a_call_refused_on_one_rank_leaves_the_ranks_in_"
+            "step",)),
+    Mutant("dp_host_calls_untagged",
+           "DP: host collectives of different calls pair up unchecked",
+           "lora_runtime/dp/agreement.py",
+           (("        if any(row[0] != tag for row in rows):", "        if False:"),),
+           ("tests/test_dp_control.py::test_a_call_refused_on_one_rank_leaves_the_ranks_in_"
+            "step",)),
     Mutant("dp_stuck_idles_forever",
            "DP: a request no rank can ever admit leaves every rank stepping idle",
            "lora_runtime/dp/dp_engine.py",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_control_world import PROMPTS, control_rank, overlap_control_rank
+from dp_control_world import PROMPTS, control_rank, diverging_rank, overlap_control_rank
 from dp_world import CONFIG, MAX_RANK, adapters
 from engine_world import compare_with_alone, run_alone
 from runtime_helpers import ALL_TARGETS, make_runtime
@@ -78,3 +78,36 @@ def test_engines_built_differently_are_refused_on_every_rank(overlap_logs):
     for log in overlap_logs:
         assert "max_batch_size" in log["mismatch"] and "[4, 5]" in log["mismatch"]
         assert "shard_mlp" in log["unsharded"]
+
+
+@pytest.fixture(scope="module")
+def diverging_logs(tmp_path_factory):
+    return _spawned_logs(tmp_path_factory, diverging_rank, "diverging")
+
+
+def test_one_name_with_other_weights_is_refused_on_every_rank(diverging_logs):
+    for log in diverging_logs:
+        said = log["same name, other weights"]
+        assert said.startswith("RuntimeError") and "from the same weights" in said
+        _check_alone(log, 6)  # served once the rank loaded the right weights
+
+
+def test_a_call_refused_on_one_rank_leaves_the_ranks_in_step(diverging_logs):
+    first, second = diverging_logs
+    assert len(first["bad generate"][0]) == 4
+    assert second["bad generate"].startswith("ValueError")
+    assert [len(log["next generate"][0]) for log in diverging_logs] == [2, 3]
+    assert "has requests" in first["warm_up"]
+    assert "refused on ranks [0]" in second["warm_up"]
+    for log in diverging_logs:
+        said = log["diverging call"]
+        assert "rank 0 in unload_adapter, rank 1 in step agreement" in said, said
+        assert len(log["after"][0]) == 3
+
+
+@pytest.mark.parametrize("key, field", [("step tokens", "max_step_tokens"),
+                                        ("chunked", "chunked_prefill"), ("graphs", "graphs"),
+                                        ("kv", "kv_tokens")])
+def test_every_setting_that_shapes_the_steps_must_match(diverging_logs, key, field):
+    for log in diverging_logs:
+        assert log[key].startswith("ValueError") and f"'{field}'" in log[key], log[key]

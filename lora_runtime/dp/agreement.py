@@ -7,7 +7,13 @@ gathered buffer), graph or eager, the bucket (the one that fits the largest rank
 variant (with LoRA when any rank's rows have an adapter, so every rank's gathered MLP runs
 the same collectives) and whether every rank launches the next step ahead (only where all
 may: a rank running ahead alone would enter the next agreement while another returned from
-``step()``, and pair it with a different collective)."""
+``step()``, and pair it with a different collective).
+
+Every host collective of a ``DPEngine`` after its set-up check goes through ``HostExchange``:
+the same number of ints on every call, after a tag naming the call, so a rank in another call
+(a control method called on some ranks only) raises on every rank naming each rank's call,
+instead of pairing collectives of other sizes (gloo aborts the process) or reading another
+call's ints as its own."""
 
 from __future__ import annotations
 
@@ -70,25 +76,14 @@ class StepAgreement:
         return {a for r in self.ranks for a in r.running_adapters}
 
 
-def pool_digest(owners: Sequence[str | None], loaded: Sequence[str] = ()) -> int:
-    """A digest of the slot table and of the loaded adapters' names (sorted: they number the
-    agreement's adapter ids) that is the same in every process (``hash`` is not)."""
-    text = "\x1f".join(o or "" for o in owners) + "\x1e" + "\x1f".join(loaded)
+def pool_digest(owners: Sequence[str | None], loaded: Sequence[str] = (),
+                fingerprints: Sequence[int] = ()) -> int:
+    """A digest of the slot table, of the loaded adapters' names (sorted: they number the
+    agreement's adapter ids) and of their weights' fingerprints (one name may not stand for
+    other weights on another rank) that is the same in every process (``hash`` is not)."""
+    text = ("\x1f".join(o or "" for o in owners) + "\x1e" + "\x1f".join(loaded) + "\x1e"
+            + "\x1f".join(map(str, fingerprints)))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-def agree(dp: DPGroup, mine: RankStep, max_requests: int, max_adapters: int) -> StepAgreement:
-    """All-gathers every rank's ``RankStep`` and decides the step. Raises (on every rank)
-    when the ranks' slot tables differ."""
-    packed = _pack(mine, max_requests, max_adapters)
-    out = torch.empty(dp.size * packed.numel(), dtype=torch.int64)
-    _all_gather_into(out, packed, dp.cpu_group)
-    ranks = tuple(_unpack(row) for row in out.view(dp.size, -1))
-    if len({r.pool_digest for r in ranks}) != 1:
-        raise RuntimeError(f"{dp.name}: the ranks' loaded adapters or slot tables differ "
-                           f"({[r.pool_digest for r in ranks]}): adapters must be loaded, "
-                           "pinned and unloaded on every rank in the same order")
-    return decide(ranks)
 
 
 def decide(ranks: tuple[RankStep, ...]) -> StepAgreement:
@@ -105,30 +100,75 @@ def decide(ranks: tuple[RankStep, ...]) -> StepAgreement:
                          all(r.may_run_ahead for r in ranks))
 
 
-def confirm(dp: DPGroup, choice: tuple[int, ...]) -> None:
-    """Checks that every rank is about to run the same (rows, bucket, variant): a rank-local
-    choice would give the collectives different sizes or paths and hang them."""
-    rows = [tuple(r) for r in _gather_ints(dp, choice)]
-    if len(set(rows)) != 1:
-        raise RuntimeError(f"{dp.name}: ranks chose different steps (rows, bucket, lora) "
-                           f"{rows}: the step must follow the agreement on every rank")
+CALLS = ("step agreement", "forward confirmation", "unload_adapter", "warm_up")
+
+
+class HostExchange:
+    """A ``DPEngine``'s host collectives over ``dp.cpu_group``, each ``width`` ints after the
+    call's tag (``width``: the step agreement's size for ``max_requests`` requests and
+    ``max_adapters`` adapters)."""
+
+    def __init__(self, dp: DPGroup, max_requests: int, max_adapters: int) -> None:
+        self.dp, self.max_requests, self.max_adapters = dp, max_requests, max_adapters
+        self.width = _HEADER + 2 * max_requests + max_adapters
+
+    def agree(self, mine: RankStep) -> StepAgreement:
+        """All-gathers every rank's ``RankStep`` and decides the step. Raises (on every rank)
+        when the ranks' slot tables differ."""
+        rows = self._exchange("step agreement", _pack(mine, self.max_requests,
+                                                      self.max_adapters))
+        ranks = tuple(_unpack(row) for row in rows)
+        if len({r.pool_digest for r in ranks}) != 1:
+            raise RuntimeError(f"{self.dp.name}: the ranks' loaded adapters or slot tables "
+                               f"differ ({[r.pool_digest for r in ranks]}): adapters must be "
+                               "loaded from the same weights, pinned and unloaded on every "
+                               "rank in the same order")
+        return decide(ranks)
+
+    def confirm(self, choice: tuple[int, ...]) -> None:
+        """Checks that every rank is about to run the same (rows, bucket, variant): a
+        rank-local choice would give the collectives different sizes or paths and hang them."""
+        rows = [tuple(r) for r in self._exchange("forward confirmation", choice)]
+        if len(set(rows)) != 1:
+            raise RuntimeError(f"{self.dp.name}: ranks chose different steps (rows, bucket, "
+                               f"lora) {rows}: the step must follow the agreement on every "
+                               "rank")
+
+    def ranks_with(self, flag: bool, call: str) -> list[int]:
+        """The ranks whose ``flag`` is set, in ``call`` (one of ``CALLS``; every rank calls it,
+        and gets the same list)."""
+        return [r for r, (f,) in enumerate(self._exchange(call, [int(flag)])) if f]
+
+    def _exchange(self, call: str, values) -> list[list[int]]:
+        values = list(values)
+        if len(values) > self.width:
+            raise ValueError(f"{call}: {len(values)} ints exceed the exchange's {self.width}")
+        tag = CALLS.index(call)
+        rows = _gather_ints(self.dp, [tag, len(values), *values,
+                                      *[0] * (self.width - len(values))])
+        if any(row[0] != tag for row in rows):
+            where = ", ".join(f"rank {r} in {_call_name(row[0])}" for r, row in enumerate(rows))
+            raise RuntimeError(f"{self.dp.name}: the ranks are in different calls ({where}): "
+                               "every rank must make the same DPEngine calls (step, generate, "
+                               "load, pin, unload, warm_up) in the same order")
+        return [row[2 : 2 + row[1]] for row in rows]
+
+
+def _call_name(tag: int) -> str:
+    return CALLS[tag] if 0 <= tag < len(CALLS) else f"an unknown call (tag {tag})"
 
 
 def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
     """Raises on every rank where the ranks' ``setup`` values differ (they size the agreement's
-    tensors and decide its collectives: a difference would abort gloo mid-step instead)."""
+    tensors and decide its collectives: a difference would abort gloo mid-step instead).
+    The first host collective of a ``DPEngine``: every rank sends ``len(setup)`` ints."""
     per_rank = _gather_ints(dp, list(setup.values()))
     differ = {k: [row[i] for row in per_rank] for i, k in enumerate(setup)
               if len({row[i] for row in per_rank}) > 1}
     if differ:
         raise ValueError(f"{dp.name}: the ranks' engines differ in {differ} (values by rank): "
-                         "build every rank's DPEngine with the same SchedulerConfig, slots and "
-                         "options")
-
-
-def ranks_with(dp: DPGroup, flag: bool) -> list[int]:
-    """The ranks whose ``flag`` is set (every rank calls it, and gets the same list)."""
-    return [r for r, (f,) in enumerate(_gather_ints(dp, [int(flag)])) if f]
+                         "build every rank's DPEngine with the same SchedulerConfig, KV cache, "
+                         "graphs, slots and options")
 
 
 def _gather_ints(dp: DPGroup, values) -> list[list[int]]:
@@ -144,7 +184,7 @@ def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
     fn(out, t, group=group)
 
 
-def _pack(s: RankStep, max_requests: int, max_adapters: int) -> torch.Tensor:
+def _pack(s: RankStep, max_requests: int, max_adapters: int) -> list[int]:
     n = len(s.lens)
     if n > max_requests or len(s.running_adapters) > max_adapters:
         raise ValueError(f"a rank step holds {n} requests and {len(s.running_adapters)} "
@@ -154,11 +194,10 @@ def _pack(s: RankStep, max_requests: int, max_adapters: int) -> torch.Tensor:
             int(s.has_work), max_requests, int(s.may_run_ahead)]
     body = [*s.adapters, *[-1] * (max_requests - n), *s.lens, *[0] * (max_requests - n),
             *s.running_adapters, *[-1] * (max_adapters - len(s.running_adapters))]
-    return torch.tensor(head + body, dtype=torch.int64)
+    return head + body
 
 
-def _unpack(row: torch.Tensor) -> RankStep:
-    v = row.tolist()
+def _unpack(v: list[int]) -> RankStep:
     mode, n, na, bucket, digest, work, cap, ahead = v[:_HEADER]
     body = v[_HEADER:]
     return RankStep(_MODES[mode], tuple(body[:n]), tuple(body[cap : cap + n]), bucket,

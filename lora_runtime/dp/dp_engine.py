@@ -11,18 +11,18 @@ rank has loaded the same names into the same slots."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
+from collections.abc import Sequence
 
 import torch
 
 from lora_runtime.dp.agreement import (
     NO_GRAPH,
+    HostExchange,
     RankStep,
     StepAgreement,
-    agree,
     check_same_setup,
-    confirm,
     pool_digest,
-    ranks_with,
 )
 from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep, ends_by_length
@@ -30,6 +30,7 @@ from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, Gathere
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request
 from lora_runtime.engine.scheduler import ScheduledStep, SchedulerConfig
+from lora_runtime.engine.warm_up import WarmUpReport, check_warm_up
 from lora_runtime.nvtx import phase
 
 
@@ -50,9 +51,15 @@ class DPEngine(Engine):
                              f"{dp.name}: call lora_runtime.dp.shard.shard_mlp(model, dp) "
                              "before LoRAManager wraps the model")
         self.dp, self.verify = dp, verify
-        check_same_setup(dp, {"max_batch_size": self.config.max_batch_size,
+        c = self.config  # every value that sizes the exchanges or the steps' sequence
+        check_same_setup(dp, {"max_batch_size": c.max_batch_size,
+                              "max_step_tokens": c.max_step_tokens,
+                              "chunked_prefill": int(c.chunked_prefill),
+                              "kv_tokens": self.kv.max_tokens,
                               "slots": self.scheduler.num_slots, "verify": int(verify),
-                              "lora": int(self.lora is not None)})
+                              "lora": int(self.lora is not None),
+                              "graphs": _graphs_signature(self.graphs)})
+        self.host = HostExchange(dp, c.max_batch_size, self.scheduler.num_slots)
         self.last: StepAgreement | None = None
         self._idle_with_work = 0
         """Agreed steps in a row where no rank ran rows but some rank had requests."""
@@ -66,7 +73,7 @@ class DPEngine(Engine):
         """Refused on every rank while a request of any rank uses it (one host all-gather)."""
         self._manager("unload_adapter")
         mine = any(r.adapter == name for r in (*self.scheduler.waiting, *self.scheduler.running))
-        users = ranks_with(self.dp, mine)
+        users = self.host.ranks_with(mine, "unload_adapter")
         if users:
             raise ValueError(f"adapter {name!r} is used by requests of ranks {users}; unload it "
                              "(on every rank) once they finish")
@@ -84,9 +91,31 @@ class DPEngine(Engine):
     def generate(self, prompts, adapters, max_new_tokens: int = 16) -> list[list[int]]:
         """``Engine.generate`` of this rank's prompts (possibly none); every rank calls it, and
         it steps until no rank has work."""
-        reqs = self.add_requests(prompts, adapters, max_new_tokens)
+        try:
+            reqs = self.add_requests(prompts, adapters, max_new_tokens)
+        except Exception:
+            # Refused here (nothing queued), but the peers step through their prompts: step
+            # with them, so every rank's next call pairs up, then raise.
+            self.run()
+            raise
         self.run()
         return [list(r.output) for r in reqs]
+
+    def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
+        """``Engine.warm_up`` on every rank, or on none: a rank that refuses it (requests
+        queued, an adapter not loaded) makes every rank raise before any warm-up step."""
+        try:
+            check_warm_up(self, adapters)
+            error = None
+        except (RuntimeError, ValueError) as e:
+            error = e
+        refused = self.host.ranks_with(error is not None, "warm_up")
+        if error is not None:
+            raise error
+        if refused:
+            raise RuntimeError(f"{self.dp.name}: warm_up was refused on ranks {refused} (see "
+                               "their error); it runs on no rank")
+        return super().warm_up(adapters)
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until no rank has work (every rank must call it)."""
@@ -117,15 +146,21 @@ class DPEngine(Engine):
     def _launch_agreed(self, start: float, running: LaunchedStep | None = None
                        ) -> LaunchedStep | None:
         """Schedules this rank's share, agrees on the step with every rank and launches it
-        (None: no rank has rows). ``running``: the step still on the device (overlap)."""
+        (None: no rank has rows). ``running``: the step still on the device (overlap). An
+        error every rank raises alike (the agreement's checks) leaves them in step, and this
+        rank's requests as they were."""
         self._share_free_slots()
         plan = self.scheduler.schedule()
+        with self._undone_on_error(plan or ScheduledStep(ForwardMode.IDLE, [], [])):
+            return self._agree_and_launch(plan, start, running)
+
+    def _agree_and_launch(self, plan: ScheduledStep | None, start: float,
+                          running: LaunchedStep | None) -> LaunchedStep | None:
         batch = None if plan is None else self._build(plan, running)
         ahead = self._may_run_ahead_of(plan, running)
         names = self._adapter_order()
         with phase("collective"):
-            ag = agree(self.dp, self._rank_step(plan, batch, names, ahead),
-                       self.config.max_batch_size, self.scheduler.num_slots)
+            ag = self.host.agree(self._rank_step(plan, batch, names, ahead))
         self.last = ag  # ``agree`` checked that every rank loaded ``names``
         self._known = {names[i] for i in ag.running_adapters}
         if ag.mode is ForwardMode.IDLE:
@@ -177,8 +212,8 @@ class DPEngine(Engine):
         bucket, lora = self._choose(ag)
         if self.verify:
             with phase("collective"):
-                    confirm(self.dp, (ag.rows_per_rank, -1 if bucket is None else bucket,
-                                  int(lora)))
+                self.host.confirm((ag.rows_per_rank, -1 if bucket is None else bucket,
+                                   int(lora)))
         if bucket is None:
             return self.runner.forward_eager(batch), None
         g = self._graphs_for(ag.mode)
@@ -192,7 +227,8 @@ class DPEngine(Engine):
                    names: list[str], may_run_ahead: bool) -> RankStep:
         ids = {n: i for i, n in enumerate(names)}
         running = sorted(ids[a] for a in self.scheduler.running_adapters())
-        digest = pool_digest(self.lora.pool.owner, names) if self.lora is not None else 0
+        digest = 0 if self.lora is None else pool_digest(
+            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names])
         work = self.scheduler.has_work
         if plan is None:
             return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work,
@@ -219,3 +255,10 @@ class DPEngine(Engine):
         self._steps += 1
         quota = free // self.dp.size + (1 if turn < free % self.dp.size else 0)
         self.scheduler.adapter_quota = (known, quota)
+
+
+def _graphs_signature(graphs) -> int:
+    """The modes and buckets of an engine's graphs and whether each is captured (ranks replay
+    the same bucket in a step: each must have it)."""
+    text = repr(sorted((g.mode.value, tuple(g.buckets), g.captured) for g in graphs))
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF

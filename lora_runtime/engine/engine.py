@@ -29,6 +29,8 @@ class GraphReplayer(Protocol):
     last_kind: str | None
     last_bucket: int | None
     mode: ForwardMode
+    buckets: list[int]
+    captured: bool
 
     def bucket_for(self, batch: ForwardBatch) -> int | None: ...
     def can_run(self, batch: ForwardBatch) -> bool: ...

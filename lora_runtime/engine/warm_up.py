@@ -84,8 +84,9 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
     return [(7 * i + 13 * seed + 3) % vocab for i in range(n)]
 
 
-def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpReport:
-    """``Engine.warm_up``: serves the phases eagerly, then forgets them."""
+def check_warm_up(engine: Engine, adapters: Sequence[str | None] | None
+                  ) -> list[str | None]:
+    """The adapters ``warm_up`` cycles over; raises where it must not run."""
     if engine.has_work:
         raise RuntimeError("warm_up runs before serving, but the engine has requests; "
                            "call it right after loading the adapters")
@@ -99,6 +100,12 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     for a in adapters:
         if a is not None and (engine.lora is None or a not in engine.lora.adapters):
             raise ValueError(f"warm_up: adapter {a!r} is not loaded; load it first")
+    return list(adapters)
+
+
+def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpReport:
+    """``Engine.warm_up``: serves the phases eagerly, then forgets them."""
+    adapters = check_warm_up(engine, adapters)
     t0, jit0 = time.perf_counter(), jit_watch.count()
     marks = len(engine.timeline), len(engine.finished)
     vocab = engine.runner.model.config.vocab_size

@@ -39,6 +39,9 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.images: dict[str, SlotImage] = {}
         """Each loaded adapter packed for slot writes (``slot_image.py``)."""
+        self.fingerprints: dict[str, int] = {}
+        """Each loaded adapter's ``LoRAAdapter.fingerprint`` where the MLP is sharded for DP
+        (the ranks compare them each step; 0 without DP: nothing to compare with)."""
         self._in_batch: set[str] = set()
         self._last_plan: tuple | None = None
         """(batch key, pool version, adapters, plan) of the last batch planned locally."""
@@ -156,6 +159,7 @@ class LoRAManager:
         self._check_base_layers(adapter)
         adapter = adapter.to(self.dtype)
         _check_representable(adapter, self.dtype)
+        fingerprint = adapter.fingerprint() if self.dp is not None else 0
         image = SlotImage.pack(adapter, self.weights, self._local_weights, self.dtype,
                                pin=self.device.type == "cuda")
         if self.dp is None:  # unsharded: the adapter's tensors become views of its image
@@ -166,11 +170,12 @@ class LoRAManager:
             except SlotPoolError as e:
                 raise AdapterError(f"cannot pin {name!r}: {e}") from e
         self.adapters[name], self.images[name] = adapter, image
+        self.fingerprints[name] = fingerprint
         if pinned:
             try:
                 self._write_slot(slot, name)
             except BaseException:
-                del self.adapters[name], self.images[name]
+                del self.adapters[name], self.images[name], self.fingerprints[name]
                 raise
             self.pool.pinned.add(name)
 
@@ -196,7 +201,7 @@ class LoRAManager:
         slot = self.pool.release(name)
         if slot is not None:
             self._clear_slot(slot)
-        del self.adapters[name], self.images[name]
+        del self.adapters[name], self.images[name], self.fingerprints[name]
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         if name not in self.adapters:

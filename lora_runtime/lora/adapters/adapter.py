@@ -4,6 +4,7 @@ model before it may enter the pool."""
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -62,6 +63,18 @@ class LoRAAdapter:
         return LoRAAdapter(self.name, mods, self.r, self.alpha, self.use_rslora,
                            self.target_modules, dict(self.rank_pattern), dict(self.alpha_pattern),
                            dict(self.base_layers))
+
+    def fingerprint(self) -> int:
+        """A digest of the weights and scalings (not the name), the same in every process: two
+        ranks that loaded other weights under one name disagree on it."""
+        crc = 0
+        for key in sorted(self.modules, key=repr):
+            m = self.modules[key]
+            crc = zlib.crc32(repr((key, float(m.scaling), str(m.a.dtype), tuple(m.a.shape),
+                                   tuple(m.b.shape))).encode(), crc)
+            for t in (m.a, m.b):
+                crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
+        return crc & 0x7FFFFFFF
 
     def validate(self, config: LlamaConfig, max_rank: int, enabled: Iterable[str]) -> None:
         """Raises AdapterError naming the module, the expected value and the fix."""
