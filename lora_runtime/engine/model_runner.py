@@ -14,7 +14,9 @@ from lora_runtime.model.llama import LlamaForCausalLM
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, lora: LoRAManager | None) -> None:
         self.model, self.kv, self.lora = model, kv, lora
-        self.device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.device = param.device
+        _check_cache(kv, model, param)
         self.dp = model.dp
         """The data-parallel group when the model's MLP is sharded for DP attention."""
 
@@ -28,3 +30,16 @@ class ModelRunner:
 
     def idle_batch(self) -> ForwardBatch:
         return ForwardBatch.idle(self.lora, self.device)
+
+
+def _check_cache(kv: KVCache, model: LlamaForCausalLM, param: torch.Tensor) -> None:
+    """The cache must be built for this model: its layers, KV heads, head size, dtype and
+    device (a mismatch would fail deep inside the first forward, naming neither)."""
+    c = model.config
+    k = kv.k[0]
+    got = (len(kv.k), tuple(k.shape[1:]), k.dtype, k.device)
+    want = (c.num_layers, (c.num_kv_heads, c.head_dim), param.dtype, param.device)
+    if got != want:
+        raise ValueError(f"the KV cache holds (layers, (kv heads, head_dim), dtype, device) "
+                         f"{got}, the model needs {want}: build it as KVCache(model.config, "
+                         "max_tokens, <the model's dtype>, <the model's device>)")

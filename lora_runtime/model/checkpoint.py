@@ -53,7 +53,13 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                 if tuple(t.shape) != tuple(dest.shape):
                     raise CheckpointError(f"{file.name}: {key} has shape {tuple(t.shape)}, "
                                           f"expected {tuple(dest.shape)} from config.json")
-                dest.copy_(t.to(dtype))
+                cast = t.to(dtype)
+                if _narrows(t.dtype, dtype) and not torch.isfinite(cast).all():
+                    why = ("holds NaN or Inf" if not torch.isfinite(t).all() else
+                           f"holds values beyond {dtype}'s range")
+                    raise CheckpointError(f"{file.name}: {key} {why}: load the checkpoint in "
+                                          "a wider dtype (e.g. bfloat16) or fix the tensor")
+                dest.copy_(cast)
                 filled[key] = file.name
     _check_complete(set(filled), config)
     if tied_head is not None and not torch.equal(tied_head.to(dtype).to(device),
@@ -63,6 +69,13 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                               "differs from its embed_tokens.weight: set tie_word_embeddings to "
                               "false to serve the checkpoint's lm_head")
     return model
+
+
+def _narrows(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether casting ``src`` to ``dst`` can overflow (then the cast is checked: a pass over
+    the tensor, paid only by such loads, e.g. a float32 checkpoint served in float16)."""
+    return (src.is_floating_point and dst.is_floating_point
+            and torch.finfo(dst).max < torch.finfo(src).max)
 
 
 def _weight_files(path: Path) -> list[Path]:

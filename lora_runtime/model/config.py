@@ -47,8 +47,15 @@ class LlamaConfig:
             if self.hidden_size % self.num_heads:
                 raise ValueError("hidden_size must divide by num_heads, or set head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.head_dim < 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be positive and even for rotary embeddings, got "
+                             f"{self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise ValueError(f"LlamaConfig.{name} must be a positive finite number, got "
+                                 f"{value!r}")
+        object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
 
     @cached_property
     def q_size(self) -> int:
@@ -79,9 +86,14 @@ class LlamaConfig:
     @staticmethod
     def from_hf(cfg: dict) -> LlamaConfig:
         """From a Hugging Face ``config.json`` of a Llama checkpoint."""
-        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
-            raise ValueError(f"not a Llama checkpoint: model_type={cfg.get('model_type')!r}")
+        model_type, arch = cfg.get("model_type"), cfg.get("architectures")
+        if (model_type is not None and model_type != "llama") or (
+                arch is not None and "LlamaForCausalLM" not in arch):
+            raise ValueError(f"not a Llama checkpoint: model_type={model_type!r}, "
+                             f"architectures={arch!r} (this runtime serves LlamaForCausalLM)")
+        if cfg.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={cfg['sliding_window']!r} is not supported "
+                             "(Llama attends to the whole context)")
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 raise ValueError(f"{key}=true is not supported (Llama checkpoints have no biases)")
@@ -95,19 +107,27 @@ class LlamaConfig:
             num_heads=cfg["num_attention_heads"],
             num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             head_dim=cfg.get("head_dim") or 0,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get(
-                "rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=_given(cfg.get("rms_norm_eps"), 1e-6),
+            rope_theta=_given(cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get(
+                "rope_theta"), 10000.0),
+            rope_scaling=cfg.get("rope_scaling") or cfg.get("rope_parameters"),
+            max_position_embeddings=_given(cfg.get("max_position_embeddings"), 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
 
 
-def _rope_scaling(cfg: dict) -> dict | None:
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+def _given(*values):
+    """The first value that is not None (config.json may hold an explicit null)."""
+    return next(v for v in values if v is not None)
+
+
+def _rope_scaling(rs: dict | None) -> dict | None:
+    """``rope_scaling`` (or Hugging Face v5's ``rope_parameters``) checked: None for the
+    default rotary frequencies, else the llama3 scaling's four keys."""
     if not rs:
         return None
+    if not isinstance(rs, dict):
+        raise ValueError(f"rope_scaling must be a dict or None, got {rs!r}")
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
         return None

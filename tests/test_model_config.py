@@ -1,0 +1,84 @@
+"""Configurations and caches the model cannot serve are refused where they are given, naming
+the field and the fix: another architecture's config.json, rope settings the rotary table
+cannot apply, non-positive sizes and constants, explicit nulls, a checkpoint tensor beyond the
+load dtype's range, and a KV cache built for another model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_checkpoint_errors import CONFIG, _tensors, _write
+
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.model.checkpoint import CheckpointError, load_hf_llama
+from lora_runtime.model.config import LlamaConfig, tiny
+from lora_runtime.model.llama import LlamaForCausalLM
+
+HF = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"model_type": "mistral"}, "not a Llama checkpoint"),
+    ({"architectures": ["Qwen2ForCausalLM"]}, "not a Llama checkpoint"),
+    ({"model_type": "llama", "architectures": ["MistralForCausalLM"]}, "not a Llama"),
+    ({"model_type": "llama", "sliding_window": 16}, "sliding_window=16"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
+    ({"rope_theta": 0}, "rope_theta must be a positive"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive"),
+    ({"head_dim": -8}, "head_dim must be positive"),
+])
+def test_a_config_the_model_cannot_serve_is_refused(extra, says):
+    with pytest.raises(ValueError, match=says):
+        LlamaConfig.from_hf(HF | extra)
+
+
+def test_explicit_nulls_take_the_defaults():
+    cfg = LlamaConfig.from_hf(HF | {"rope_theta": None, "rms_norm_eps": None,
+                                     "max_position_embeddings": None, "sliding_window": None,
+                                     "rope_scaling": {"rope_type": "default"}})
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings,
+            cfg.rope_scaling) == (10000.0, 1e-6, 4096, None)
+    assert LlamaConfig.from_hf(HF).num_kv_heads == 1  # no model_type, no architectures: fine
+
+
+@pytest.mark.parametrize("scaling, says", [
+    ({"rope_type": "linear", "factor": 2.0}, "'linear' is not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, "lacks"),
+    ("llama3", "must be a dict"),
+])
+def test_a_config_built_directly_checks_its_rope_scaling(scaling, says):
+    with pytest.raises(ValueError, match=says):
+        dataclasses.replace(tiny(), rope_scaling=scaling)
+    assert dataclasses.replace(tiny(), rope_scaling={"rope_type": "default"}).rope_scaling is None
+
+
+def test_a_tensor_beyond_the_load_dtype_s_range_is_refused(tmp_path):
+    """Checked where the cast narrows (float32 on disk, float16 or bfloat16 served)."""
+    t = _tensors(tied=False)
+    t["model.layers.0.mlp.up_proj.weight"][3, 5] = 1e6
+    _write(tmp_path / "big", [t])
+    assert load_hf_llama(tmp_path / "big", torch.float32, "cpu") is not None
+    with pytest.raises(CheckpointError, match="up_proj.weight holds values beyond"):
+        load_hf_llama(tmp_path / "big", torch.float16, "cpu")
+    t["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    (tmp_path / "big" / "model-0.safetensors").unlink()
+    save_file(t, str(tmp_path / "big" / "model-0.safetensors"))
+    with pytest.raises(CheckpointError, match="up_proj.weight holds NaN"):
+        load_hf_llama(tmp_path / "big", torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("cache", [
+    dict(config=tiny(1)), dict(dtype=torch.float16),
+    dict(config=dataclasses.replace(tiny(2), head_dim=32)),
+    dict(config=dataclasses.replace(tiny(2), num_kv_heads=4)),
+])
+def test_a_kv_cache_built_for_another_model_is_refused(cache):
+    model = LlamaForCausalLM.random(tiny(2), torch.float32, "cpu", seed=0)
+    args = dict(config=tiny(2), max_tokens=16, dtype=torch.float32, device="cpu") | cache
+    with pytest.raises(ValueError, match="the KV cache holds.*the model needs"):
+        ModelRunner(model, KVCache(**args), None)
+    ModelRunner(model, KVCache(tiny(2), 16, torch.float32, "cpu"), None)
