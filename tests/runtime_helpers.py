@@ -47,6 +47,8 @@ def merged_model(base: LlamaForCausalLM, adapter: LoRAAdapter | None) -> LlamaFo
         delta = m.scaling * (m.b.double() @ m.a.double())
         if target == "embed_tokens":
             w = model.model.embed_tokens.weight
+            if model.lm_head.weight is w:  # tied: the adapter changes the lookup only (PEFT)
+                model.lm_head.weight = torch.nn.Parameter(w.detach().clone())
             w += delta.t().to(w.dtype).to(w.device)
             continue
         if target == "lm_head":

@@ -4,6 +4,8 @@ decode, on both backends."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
@@ -14,6 +16,7 @@ from lora_runtime.lora.adapters import random_adapter
 from lora_runtime.model.config import tiny
 
 CFG = tiny()
+TIED = dataclasses.replace(CFG, tie_word_embeddings=True)
 
 
 def _adapters():
@@ -37,9 +40,10 @@ def _close(got, ref, dtype, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_batch_matches_merged_dense_models(backend, dtype):
-    runner = make_runtime(CFG, dtype=dtype, device=DEVICE, backend=backend, slots=3, max_rank=8,
+@pytest.mark.parametrize("backend, config", [("torch", CFG), ("triton", CFG), ("torch", TIED)],
+                         ids=["torch", "triton", "torch-tied-embeddings"])
+def test_mixed_batch_matches_merged_dense_models(backend, config, dtype):
+    runner = make_runtime(config, dtype=dtype, device=DEVICE, backend=backend, slots=3, max_rank=8,
                           targets=ALL_TARGETS)
     adapters = _adapters()
     for name, ad in adapters.items():
