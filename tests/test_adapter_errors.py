@@ -103,15 +103,20 @@ def test_rank_above_max_rank(runner):
     _assert_unchanged(runner.lora, before)
 
 
-def test_unknown_target_module_in_config(runner, tmp_path):
+def test_target_modules_naming_no_llama_module(runner, tmp_path):
     path = _saved(tmp_path)
     cfg = json.loads((path / "adapter_config.json").read_text())
-    cfg["target_modules"] = ["q_proj", "attn_out"]
+    own = cfg["target_modules"]
+    cfg["target_modules"] = ["c_attn", "attn_out"]
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     before = _snapshot(runner.lora)
-    with pytest.raises(AdapterError, match="unknown target module 'attn_out'"):
+    with pytest.raises(AdapterError, match="names no module of a Llama model"):
         runner.lora.load_adapter("x", path)
     _assert_unchanged(runner.lora, before)
+    # Other architectures' names beside the right ones are ignored, as PEFT does.
+    cfg["target_modules"] = [*own, "c_attn", "query_key_value"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    runner.lora.load_adapter("x", path)
 
 
 def test_target_not_enabled_in_runtime(runner):
@@ -207,8 +212,13 @@ def test_no_slot_left_because_of_pins_and_batch(runner):
 
 
 def test_unsupported_peft_features(runner, tmp_path):
-    for key, value, msg in (("use_dora", True, "DoRA"), ("bias", "all", "bias='all'"),
-                            ("modules_to_save", ["lm_head"], "modules_to_save")):
+    for key, value, msg in (("use_dora", True, "DoRA"),
+                            ("modules_to_save", ["lm_head"], "modules_to_save"),
+                            ("alora_invocation_tokens", [5, 6], "activated LoRA"),
+                            ("lora_bias", True, "a bias on lora_B"),
+                            ("use_bdlora", True, "BD-LoRA"),
+                            ("init_lora_weights", "pissa_niter_4", "path_initial_model"),
+                            ("init_lora_weights", "olora", "changed base weight")):
         path = _saved(tmp_path / key)
         cfg = json.loads((path / "adapter_config.json").read_text())
         cfg[key] = value

@@ -38,6 +38,22 @@ _UNSUPPORTED = {
     "use_dora": (True, "DoRA adapters are not supported"),
     "fan_in_fan_out": (True, "fan_in_fan_out=true is for Conv1D models, not Llama"),
 }
+_CHANGES_THE_FORWARD = {  # PEFT options that make the adapter more than x A^T B^T s
+    "alora_invocation_tokens": "activated LoRA (the adapter applies only after its invocation "
+                               "tokens)",
+    "arrow_config": "Arrow routing over several LoRA experts",
+    "use_bdlora": "block-diagonal LoRA (BD-LoRA)",
+    "kasa_config": "KaSA (singular-value adaptation beside the LoRA term)",
+    "use_qalora": "QA-LoRA (pooled input groups)",
+    "lora_bias": "a bias on lora_B",
+    "trainable_token_indices": "trainable token embeddings beside the LoRA weights",
+    "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
+    "layer_replication": "layer_replication (a model of repeated base layers)",
+}
+_MOVES_THE_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
+"""``init_lora_weights`` that train against a changed base weight: unconverted, such an
+adapter is only right on that changed base, which the runtime does not have."""
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default, when the config leaves it out
 
 
 def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
@@ -48,13 +64,13 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     r = cfg.get("r")
     if not _is_positive_int(r):
         raise AdapterError(f"{f}: 'r' must be a positive integer, got {r!r}")
-    alpha = cfg.get("lora_alpha", r)
+    alpha = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not is_finite_number(alpha):
         raise AdapterError(f"{f}: 'lora_alpha' must be a finite number, got {alpha!r}")
     rank_pattern = _patterns(cfg, "rank_pattern", _is_positive_int, "a positive integer", f)
     alpha_pattern = _patterns(cfg, "alpha_pattern", is_finite_number, "a finite number", f)
     use_rslora = _flag(cfg, "use_rslora", f)
-    targets = _targets(cfg.get("target_modules"), path)
+    targets = _targets(cfg, path)
     tensors = _read_weights(path)
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     base_layers = {}
@@ -126,12 +142,16 @@ def _read_config(path: Path) -> dict:
     for key, (bad, why) in _UNSUPPORTED.items():
         if _flag(cfg, key, f) == bad:
             raise AdapterError(f"{f}: {why} ({key}={bad})")
-    if cfg.get("layer_replication"):
-        raise AdapterError(f"{f}: layer_replication (a model of repeated base layers) is not "
-                           "supported: this runtime serves the base model's own layers")
-    if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"{f}: bias={cfg['bias']!r} is not supported (LoRA biases); "
-                           "retrain with bias='none'")
+    for key, what in _CHANGES_THE_FORWARD.items():
+        if cfg.get(key):
+            raise AdapterError(f"{f}: {key}={cfg[key]!r}: {what} is not supported; this "
+                               "runtime serves plain LoRA")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_MOVES_THE_BASE):
+        raise AdapterError(f"{f}: init_lora_weights={init!r} trains against a changed base "
+                           "weight, which this runtime does not serve: save the adapter with "
+                           "PEFT's save_pretrained(..., path_initial_model_for_weight_"
+                           "conversion=...) to convert it into a LoRA of the original base")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"{f}: modules_to_save={cfg['modules_to_save']} is not supported "
                            "(fully trained modules are not LoRA)")
@@ -150,10 +170,33 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{f} could not be read (corrupt safetensors?): {e}") from e
 
 
-def _targets(raw, path: Path) -> set[str] | None:
-    """The PEFT target names the config allows; None for a regex (weights decide)."""
-    if raw is None:
+def _targets(cfg: dict, path: Path) -> set[str] | None:
+    """The PEFT target names the config allows; None for a regex (weights decide). Names of
+    other architectures' modules in the list are ignored, as PEFT does (one must match);
+    ``target_parameters`` adds the modules of the parameters it names; with
+    ``ensure_weight_tying`` embed_tokens and lm_head stand for each other."""
+    raw = cfg.get("target_modules")
+    params = cfg.get("target_parameters") or []
+    if raw is None and not params:
         raise AdapterError(f"{path / CONFIG}: target_modules is missing")
+    names = _target_names(raw or [], path)
+    if names is None:
+        return None
+    if not isinstance(params, list) or not all(isinstance(t, str) for t in params):
+        raise AdapterError(f"{path / CONFIG}: target_parameters must be a list of parameter "
+                           f"names, got {params!r}")
+    for p in params:
+        leaf = p.removesuffix(".weight").rsplit(".", 1)[-1]
+        if leaf not in BY_NAME:
+            raise AdapterError(f"{path / CONFIG}: target_parameters names {p!r}; supported: "
+                               "the weight of " + ", ".join(sorted(BY_NAME)))
+        names.add(leaf)
+    if cfg.get("ensure_weight_tying") and names & {"embed_tokens", "lm_head"}:
+        names |= {"embed_tokens", "lm_head"}
+    return names
+
+
+def _target_names(raw, path: Path) -> set[str] | None:
     if raw == "all-linear":
         return set(LINEAR_TARGETS)
     if isinstance(raw, str):
@@ -166,13 +209,10 @@ def _targets(raw, path: Path) -> set[str] | None:
     if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
         raise AdapterError(f"{path / CONFIG}: target_modules must be a list of module names "
                            f"(or a regex string, or 'all-linear'), got {raw!r}")
-    names = set()
-    for t in raw:
-        leaf = t.rsplit(".", 1)[-1]
-        if leaf not in BY_NAME:
-            raise AdapterError(f"{path / CONFIG}: unknown target module {t!r}; supported: "
-                               f"{sorted(BY_NAME)}")
-        names.add(leaf)
+    names = {t.rsplit(".", 1)[-1] for t in raw} & set(BY_NAME)
+    if raw and not names:
+        raise AdapterError(f"{path / CONFIG}: target_modules {raw!r} names no module of a "
+                           f"Llama model; supported: {sorted(BY_NAME)}")
     return names
 
 
@@ -193,6 +233,9 @@ def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
     m = _TOP_KEY.match(key)
     if m:
         return (None, m.group(1)), m.group(2)
+    if key.endswith(".bias"):
+        raise AdapterError(f"{path / WEIGHTS}: key {key!r} is a bias; LoRA biases are not "
+                           "supported (retrain with bias='none' and lora_bias=False)")
     raise AdapterError(f"{path / WEIGHTS}: unrecognised key {key!r} (not a LoRA weight of a "
                        "Llama module)")
 
