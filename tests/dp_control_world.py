@@ -159,6 +159,19 @@ def diverging_rank(rank: int, size: int, out_dir: str) -> None:
     attempt("diverging call",
             lambda: eng.unload_adapter("ad3") if rank == 0 else eng.step())
     log["after"] = eng.generate([[2, 7]], ["ad3"], 3)
+    # With overlap, an agreement that raises while a step is in flight: that step's tokens
+    # are taken first (rank 1 loads an adapter alone, between two steps).
+    ahead = DPEngine(runner, dp, cfg, keep_logits=True, overlap=True)
+    req = ahead.add_request(PROMPTS["ad0"], "ad0", max_new_tokens=6)
+    ahead.step()
+    ahead.step()
+    if rank == 1:
+        lora.load_adapter("extra", ads[2])
+    attempt("ahead", ahead.step)
+    if rank == 1:
+        lora.unload_adapter("extra")
+    ahead.run()
+    log["ahead outputs"] = {"ad0": (list(req.output), [t.clone() for t in ahead.logits[req.id]])}
     for key, other in (("step tokens", replace(cfg, max_step_tokens=16 + 16 * rank)),
                        ("chunked", replace(cfg, chunked_prefill=rank == 0))):
         attempt(key, lambda other=other: DPEngine(runner, dp, other))

@@ -480,6 +480,13 @@ MUTANTS = [
            (("        if any(row[0] != tag for row in rows):", "        if False:"),),
            ("tests/test_dp_control.py::test_a_call_refused_on_one_rank_leaves_the_ranks_in_"
             "step",)),
+    Mutant("dp_ahead_error_drops_step_in_flight",
+           "DP: an agreement that raises while launching ahead loses the step in flight",
+           "lora_runtime/dp/dp_engine.py",
+           (("                self._finish(cur)  # its tokens are the requests' before raising\n",
+             "                pass\n"),),
+           ("tests/test_dp_control.py::test_one_name_with_other_weights_is_refused_on_every_"
+            "rank",)),
     Mutant("dp_stuck_idles_forever",
            "DP: a request no rank can ever admit leaves every rank stepping idle",
            "lora_runtime/dp/dp_engine.py",

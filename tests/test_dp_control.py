@@ -90,6 +90,8 @@ def test_one_name_with_other_weights_is_refused_on_every_rank(diverging_logs):
         said = log["same name, other weights"]
         assert said.startswith("RuntimeError") and "from the same weights" in said
         _check_alone(log, 6)  # served once the rank loaded the right weights
+        assert "from the same weights" in log["ahead"], log["ahead"]
+        _check_alone({"outputs": log["ahead outputs"]}, 6)  # the step in flight was kept
 
 
 def test_a_call_refused_on_one_rank_leaves_the_ranks_in_step(diverging_logs):

@@ -140,7 +140,11 @@ class DPEngine(Engine):
         # return from step() one agreement later than the others, and the next collective
         # of another rank (an unload's all-gather) would pair with its agreement.
         if self._agreed.run_ahead:
-            self._inflight = self._launch_agreed(self._start_step(ahead_of=cur), cur)
+            try:
+                self._inflight = self._launch_agreed(self._start_step(ahead_of=cur), cur)
+            except BaseException:
+                self._finish(cur)  # its tokens are the requests' before raising
+                raise
         return self._finish(cur)
 
     def _launch_agreed(self, start: float, running: LaunchedStep | None = None
