@@ -240,3 +240,29 @@ def test_an_engine_without_lora_names_the_fix_for_adapter_calls():
         with pytest.raises(RuntimeError, match="no LoRA manager"):
             call()
     assert len(eng.generate([[1, 2, 3]], [None], 2)[0]) == 2  # the base model still serves
+
+
+def test_a_long_running_engine_keeps_bounded_history(world):
+    """A server steps for ever: the timeline keeps the last ``max_timeline`` to twice as many
+    steps, and ``take_finished`` hands finished requests over, forgetting them."""
+    runner = ModelRunner(LlamaForCausalLM.random(tiny(1), torch.float32, DEVICE),
+                         KVCache(tiny(1), 64, torch.float32, DEVICE), None)
+    with pytest.raises(ValueError, match="max_timeline"):
+        Engine(runner, max_timeline=0)
+    eng = Engine(runner, keep_logits=True, max_timeline=5)
+    taken = []
+    for i in range(8):
+        eng.add_request([1 + i, 2], None, max_new_tokens=3)
+        eng.run()
+        taken += eng.take_finished()
+        assert eng.finished == [] and eng.logits == {}
+        assert 5 <= len(eng.timeline) <= 10 or eng.steps_recorded < 5
+    assert [len(r.output) for r in taken] == [3] * 8
+    assert eng.steps_recorded == 8 * 3
+    indices = [s.index for s in eng.timeline]
+    assert indices == list(range(eng.steps_recorded - len(indices), eng.steps_recorded))
+    report = eng.warm_up()  # forgets its own steps, keeps the index running from here
+    assert report.steps > 0 and eng.steps_recorded == 24
+    assert all(s.index < 24 for s in eng.timeline)
+    eng.generate([[3, 4]], [None], 2)
+    assert [s.index for s in eng.timeline][-2:] == [24, 25]

@@ -37,12 +37,13 @@ from lora_runtime.nvtx import phase
 class DPEngine(Engine):
     def __init__(self, runner: ModelRunner, dp: DPGroup, config: SchedulerConfig | None = None,
                  graphs=(), *, keep_logits: bool = False, verify: bool = True,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, max_timeline: int | None = 100_000) -> None:
         """``verify``: confirm with every rank, before each forward, the rows, bucket and
         variant it runs (one more small host all-gather): a divergence raises instead of
         hanging a collective. ``overlap``: as ``Engine``'s; each rank launches its next step
         ahead where its own requests allow."""
-        super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap)
+        super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap,
+                         max_timeline=max_timeline)
         if runner.dp is not None and runner.dp.size != dp.size:
             raise ValueError(f"the model is sharded for {runner.dp.size} ranks, the group has "
                              f"{dp.size}")

@@ -69,9 +69,13 @@ class LaunchedStep:
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None,
                  graphs: Sequence[GraphReplayer] = (), *, keep_logits: bool = False,
-                 clock: Callable[[], float] = time.perf_counter, overlap: bool = False) -> None:
+                 clock: Callable[[], float] = time.perf_counter, overlap: bool = False,
+                 max_timeline: int | None = 100_000) -> None:
         """``graphs``: captured graph runners, tried in order; a batch none fits runs eagerly.
         ``keep_logits``: keep each request's logits row at every sampled token (tests).
+        ``max_timeline``: the timeline keeps at least the last this many steps and at most
+        twice as many (None: every step); with ``take_finished`` a long-running server's
+        memory stays bounded.
         ``overlap``: launch the next step before reading this one's tokens wherever no token
         but a stop token can change it (``_plan_ahead``), so the host prepares step n+1
         while the device runs step n."""
@@ -87,6 +91,13 @@ class Engine:
         pinned = (lambda: set(self.lora.pool.pinned)) if self.lora is not None else set
         self.scheduler = Scheduler(self.config, runner.kv.max_tokens, slots, pinned)
         self.timeline: list[StepRecord] = []
+        self.max_timeline = max_timeline
+        if max_timeline is not None and (not isinstance(max_timeline, int) or max_timeline < 1):
+            raise ValueError(f"max_timeline must be a positive integer or None, got "
+                             f"{max_timeline!r}")
+        self.steps_recorded = 0
+        """Steps recorded since the engine was built (a record's ``index``; warm-up steps are
+        forgotten)."""
         self.finished: list[Request] = []
         self.logits: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
@@ -330,6 +341,14 @@ class Engine:
             self.step()
         return self.finished
 
+    def take_finished(self) -> list[Request]:
+        """The finished requests not taken yet, forgotten by the engine (with their kept
+        logits): a server calls it after each step so finished requests do not pile up."""
+        done, self.finished = self.finished, []
+        for r in done:
+            self.logits.pop(r.id, None)
+        return done
+
     def generate(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                  max_new_tokens: int = 16) -> list[list[int]]:
         """Greedy generation of a fixed set of prompts: each one's new tokens."""
@@ -414,8 +433,11 @@ class Engine:
                                                                              self._last_end)
         self._last_end = end
         at_start = self._jit_at_start if jit_at_start is None else jit_at_start
+        if self.max_timeline is not None and len(self.timeline) >= 2 * self.max_timeline:
+            del self.timeline[:len(self.timeline) - self.max_timeline + 1]
+        self.steps_recorded += 1
         self.timeline.append(StepRecord(
-            index=len(self.timeline), mode=plan.mode.value, batch_size=len(plan.requests),
+            index=self.steps_recorded - 1, mode=plan.mode.value, batch_size=len(plan.requests),
             tokens=plan.num_tokens, adapters=tuple(sorted(plan.adapters)),
             graph=graph is not None,
             bucket=None if graph is None else graph[1],

@@ -107,7 +107,7 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     """``Engine.warm_up``: serves the phases eagerly, then forgets them."""
     adapters = check_warm_up(engine, adapters)
     t0, jit0 = time.perf_counter(), jit_watch.count()
-    marks = len(engine.timeline), len(engine.finished)
+    marks = engine.steps_recorded, len(engine.finished)
     vocab = engine.runner.model.config.vocab_size
     phases = warm_up_phases(engine.config.max_step_tokens, engine.config.max_batch_size,
                             engine.kv.max_tokens, adapters,
@@ -129,8 +129,10 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
         engine.graphs = graphs
         for i in ids:
             engine.logits.pop(i, None)
-        steps = len(engine.timeline) - marks[0]
-        del engine.timeline[marks[0]:], engine.finished[marks[1]:]
+        steps = engine.steps_recorded - marks[0]
+        engine.timeline[:] = [s for s in engine.timeline if s.index < marks[0]]
+        del engine.finished[marks[1]:]
+        engine.steps_recorded = marks[0]
     jit = jit_watch.count()
     return WarmUpReport(time.perf_counter() - t0, steps,
                         None if jit is None else jit - jit0)
