@@ -241,8 +241,8 @@ def prefill_buckets(prompt: int, max_batch: int, max_step_tokens: int) -> list[i
 
 
 def _step_p50(timeline, mode: str) -> float | None:
-    secs = sorted(s.seconds for s in timeline if s.mode == mode)
-    return 1e3 * secs[len(secs) // 2] if secs else None
+    secs = [s.seconds for s in timeline if s.mode == mode]
+    return 1e3 * statistics.median(secs) if secs else None
 
 
 def _step_split(timeline) -> dict:

@@ -131,3 +131,25 @@ def test_each_step_records_the_graph_it_replayed(monkeypatch):
     assert recorded == replays
     assert any(s.ahead for s in eng.timeline if s.graph)
     assert len(set(replays)) > 2, "the workload must replay several buckets and variants"
+
+
+def test_a_step_ahead_that_serves_no_one_is_finished_at_once():
+    """A request stops at a stop token while the step after it runs ahead: that step serves
+    no one, so it is finished within the same ``step()``; left in flight, its record would take
+    in the time until the caller's next step."""
+    w = EngineWorld("torch", DEVICE, layers=1)
+    eng = w.engine(SchedulerConfig(max_batch_size=2), overlap=True)
+    for seed in range(20):  # a prompt whose greedy tokens change after the first
+        prompt = [(7 * seed + 3 * i) % w.config.vocab_size for i in range(4)]
+        probe = eng.generate([prompt], [None], max_new_tokens=6)[0]
+        cut = next((i for i in range(1, 5) if probe[i] not in probe[:i]), None)
+        if cut is not None:
+            break
+    steps = len(eng.timeline)
+    r = eng.add_request(prompt, None, max_new_tokens=6, stop_ids=(probe[cut],))
+    while r.metrics.finish is None:
+        eng.step()
+    assert r.output == probe[:cut + 1]
+    assert not eng.has_work, "the discarded step must not stay in flight"
+    assert any(s.ahead for s in eng.timeline[steps:])
+    assert w.runner.kv.free_slots == w.runner.kv.max_tokens

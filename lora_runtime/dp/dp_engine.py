@@ -146,6 +146,8 @@ class DPEngine(Engine):
             except BaseException:
                 self._finish(cur)  # its tokens are the requests' before raising
                 raise
+        # Not _finish_discarded: whether a rank's step ahead serves anyone is its own, and a
+        # rank finishing it early would make one more agreement in its next step() than others.
         return self._finish(cur)
 
     def _launch_agreed(self, start: float, running: LaunchedStep | None = None

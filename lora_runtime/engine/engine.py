@@ -259,7 +259,17 @@ class Engine:
             except BaseException:
                 self._finish(cur)  # its tokens are the requests' (``output``) before raising
                 raise
-        return self._finish(cur)
+        return self._finish(cur) + self._finish_discarded()
+
+    def _finish_discarded(self) -> list[tuple[Request, int]]:
+        """Finishes at once a step run ahead all of whose requests stopped (a stop token in
+        the step before): it serves no one, and left in flight its record would take in the
+        time until the caller's next ``step()``."""
+        ahead = self._inflight
+        if ahead is None or not all(r.done for r in ahead.plan.requests):
+            return []
+        self._inflight = None
+        return self._finish(ahead)
 
     @contextlib.contextmanager
     def _undone_on_error(self, plan: ScheduledStep):

@@ -108,6 +108,7 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     adapters = check_warm_up(engine, adapters)
     t0, jit0 = time.perf_counter(), jit_watch.count()
     marks = engine.steps_recorded, len(engine.finished)
+    served = list(engine.timeline)  # the warm-up's own steps may trim it (max_timeline)
     vocab = engine.runner.model.config.vocab_size
     phases = warm_up_phases(engine.config.max_step_tokens, engine.config.max_batch_size,
                             engine.kv.max_tokens, adapters,
@@ -130,7 +131,7 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
         for i in ids:
             engine.logits.pop(i, None)
         steps = engine.steps_recorded - marks[0]
-        engine.timeline[:] = [s for s in engine.timeline if s.index < marks[0]]
+        engine.timeline[:] = served
         del engine.finished[marks[1]:]
         engine.steps_recorded = marks[0]
     jit = jit_watch.count()
