@@ -109,7 +109,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     policy, share = LOADS[load]
     passes = []  # per timed pass: (wall, its steps, its output tokens on this rank)
     for timed in (False, *([True] * TIMED_PASSES)):
-        ctrl = DPController(size, policy, share, seed=2)
+        ctrl = DPController(size, policy, share)
         for w in make_workload(spec, config.vocab_size):  # the warm-up serves it once too
             if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
                 eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)

@@ -81,8 +81,7 @@ def serve_rank(rank: int, size: int, opts: dict, out_dir: str) -> None:
         os._exit(3)  # a rank dies between steps
     warm = eng.warm_up() if opts.get("warm_up") else None
     jit0 = jit_watch.count()
-    ctrl = DPController(size, opts.get("policy", "round_robin"), opts.get("share", 0.75),
-                        seed=opts.get("seed", 0))
+    ctrl = DPController(size, opts.get("policy", "round_robin"), opts.get("share", 0.75))
     mine = {}
     for i, (prompt, adapter, new) in enumerate(workload(opts.get("seed", 0), opts["n"])):
         if ctrl.assign(len(prompt), new) == rank:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy
 import pytest
 import torch
 from conftest import DEVICE
@@ -179,12 +180,20 @@ def test_workload_spec():
            (dict(zipf_alpha=float("nan")), "zipf_alpha"), (dict(zipf_alpha=-1.0), "zipf_alpha"),
            (dict(prompt_len=(1, 5, 9)), "prompt_len"), (dict(output_len=(1.9, 2.9)), "output_len"),
            (dict(prompt_len=3.5), "prompt_len"), (dict(num_adapters=2.5), "num_adapters"),
-           (dict(seed=None), "seed")]
+           (dict(seed=None), "seed"),
+           (dict(popularity="identical", num_adapters=16), "one adapter"),
+           (dict(popularity="distinct", num_adapters=16), "give 4")]
     for kwargs, words in bad:
         with pytest.raises(ValueError, match=words):
             WorkloadSpec(4, **kwargs)
     with pytest.raises(ValueError, match="num_requests"):
         WorkloadSpec(2.5)
+    # alpha only weighs Zipf; however large, no overflow (it did for every popularity)
+    for pop in ("uniform", "zipf"):
+        wl = make_workload(WorkloadSpec(6, 2, 1, popularity=pop, num_adapters=3,
+                                        zipf_alpha=1e6, seed=1), vocab)
+        assert pop == "uniform" or {r.adapter for r in wl} == {"adapter-0"}
+    assert len(make_workload(WorkloadSpec(2, numpy.int64(5)), vocab)[0].prompt) == 5
 
 
 def test_serve_adds_requests_at_their_arrival_times(world):

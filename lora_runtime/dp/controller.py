@@ -7,8 +7,10 @@ split the rest), which leaves ranks 1.. idle for a controllable fraction of the 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
+from numbers import Real
+
+from lora_runtime.engine.requests import is_int
 
 POLICIES = ("round_robin", "least_loaded", "skewed")
 
@@ -18,34 +20,40 @@ class DPController:
     size: int
     policy: str = "round_robin"
     share: float = 0.75
-    """``skewed``: the fraction of requests rank 0 serves (1.0: the others always idle)."""
-    seed: int = 0
-    load: list[int] = field(default_factory=list)
-    _next: int = 0
-    _rng: random.Random = field(default_factory=random.Random)
+    """``skewed``: the fraction of requests rank 0 serves (1.0: the others always idle). Met
+    exactly at every prefix of the stream (rank 0's count is the nearest to ``share`` x the
+    requests so far), the rest going round-robin over ranks 1.., so a short stream is as
+    skewed as a long one."""
+    load: list[int] = field(init=False)
+    """Tokens assigned to each rank so far (prompt plus output budget)."""
+    _assigned: int = field(init=False, default=0)
+    _to_zero: int = field(init=False, default=0)
+    _to_others: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"DP size must be >= 1, got {self.size}")
+        if not is_int(self.size) or self.size < 1:
+            raise ValueError(f"DP size must be an integer >= 1, got {self.size!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r}: choose one of {POLICIES}")
-        if not 0.0 <= self.share <= 1.0:
-            raise ValueError(f"share must be in [0, 1], got {self.share}")
+        if (not isinstance(self.share, Real) or isinstance(self.share, bool)
+                or not 0.0 <= self.share <= 1.0):
+            raise ValueError(f"share must be a number in [0, 1], got {self.share!r}")
         self.load = [0] * self.size
-        self._rng = random.Random(self.seed)
 
     def assign(self, prompt_len: int, max_new_tokens: int) -> int:
+        for name, v in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
+            if not is_int(v) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         if self.policy == "round_robin":
-            rank = self._next % self.size
-            self._next += 1
+            rank = self._assigned % self.size
         elif self.policy == "least_loaded":
             rank = min(range(self.size), key=lambda r: (self.load[r], r))
+        elif self.size == 1 or self._to_zero < round((self._assigned + 1) * self.share):
+            rank = 0
+            self._to_zero += 1
         else:
-            u = self._rng.random()
-            if self.size == 1 or u < self.share:
-                rank = 0
-            else:
-                rank = 1 + int((u - self.share) / (1 - self.share) * (self.size - 1))
-                rank = min(rank, self.size - 1)
+            rank = 1 + self._to_others % (self.size - 1)
+            self._to_others += 1
+        self._assigned += 1
         self.load[rank] += prompt_len + max_new_tokens
         return rank

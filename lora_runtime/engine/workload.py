@@ -51,6 +51,14 @@ class WorkloadSpec:
             raise ValueError(f"zipf_alpha must be finite and >= 0, got {self.zipf_alpha!r}")
         if self.popularity in ("uniform", "zipf") and self.num_adapters < 1:
             raise ValueError(f"{self.popularity} popularity needs num_adapters >= 1")
+        # A case labelled with num_adapters must load that many (``adapter_names``).
+        if self.popularity == "identical" and self.num_adapters != 1:
+            raise ValueError(f"identical popularity uses one adapter; got num_adapters="
+                             f"{self.num_adapters}")
+        if self.popularity == "distinct" and self.num_adapters not in (1, self.num_requests):
+            raise ValueError(f"distinct popularity gives each of the {self.num_requests} "
+                             f"requests its own adapter; got num_adapters={self.num_adapters} "
+                             f"(give {self.num_requests})")
         for name in ("prompt_len", "output_len"):
             x = getattr(self, name)
             if not (is_int(x) or isinstance(x, tuple) and len(x) == 2
@@ -82,7 +90,8 @@ class WorkloadRequest:
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
     rng = random.Random(spec.seed)
     names = spec.adapter_names
-    weights = [1.0 / (i + 1) ** spec.zipf_alpha for i in range(len(names))]
+    weights = ([(i + 1) ** -spec.zipf_alpha for i in range(len(names))]  # 0 past 1e-308
+               if spec.popularity == "zipf" else None)
     t, out = 0.0, []
     for i in range(spec.num_requests):
         if spec.popularity == "none":
@@ -127,7 +136,7 @@ def serve(engine, workload: list[WorkloadRequest],
 
 
 def _bounds(x: Length) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else (x[0], x[1])
+    return (x, x) if is_int(x) else (x[0], x[1])
 
 
 def _draw(rng: random.Random, x: Length) -> int:
