@@ -482,9 +482,9 @@ MUTANTS = [
             "step",)),
     Mutant("dp_ahead_error_drops_step_in_flight",
            "DP: an agreement that raises while launching ahead loses the step in flight",
-           "lora_runtime/dp/dp_engine.py",
-           (("                self._finish(cur)  # its tokens are the requests' before raising\n",
-             "                pass\n"),),
+           "lora_runtime/engine/engine.py",
+           (("        except BaseException:\n            self._finish(cur)\n            raise\n",
+             "        except BaseException:\n            raise\n"),),
            ("tests/test_dp_control.py::test_one_name_with_other_weights_is_refused_on_every_"
             "rank",)),
     Mutant("dp_stuck_idles_forever",

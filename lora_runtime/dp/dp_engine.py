@@ -141,11 +141,8 @@ class DPEngine(Engine):
         # return from step() one agreement later than the others, and the next collective
         # of another rank (an unload's all-gather) would pair with its agreement.
         if self._agreed.run_ahead:
-            try:
-                self._inflight = self._launch_agreed(self._start_step(ahead_of=cur), cur)
-            except BaseException:
-                self._finish(cur)  # its tokens are the requests' before raising
-                raise
+            start = self._start_step(ahead_of=cur)
+            self._inflight = self._ahead_of(cur, lambda: self._launch_agreed(start, cur))
         # Not _finish_discarded: whether a rank's step ahead serves anyone is its own, and a
         # rank finishing it early would make one more agreement in its next step() than others.
         return self._finish(cur)

@@ -18,7 +18,7 @@ from kernels import jit_watch
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.engine.requests import Request, build_decode, build_extend, is_int, release
 from lora_runtime.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from lora_runtime.engine.warm_up import WarmUpReport, warm_up
 
@@ -92,7 +92,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, runner.kv.max_tokens, slots, pinned)
         self.timeline: list[StepRecord] = []
         self.max_timeline = max_timeline
-        if max_timeline is not None and (not isinstance(max_timeline, int) or max_timeline < 1):
+        if max_timeline is not None and (not is_int(max_timeline) or max_timeline < 1):
             raise ValueError(f"max_timeline must be a positive integer or None, got "
                              f"{max_timeline!r}")
         self.steps_recorded = 0
@@ -252,14 +252,23 @@ class Engine:
             # Hazard: the next forward reuses the graph's static output; cur's tokens (and
             # kept logits) were taken from it by kernels enqueued before this launch.
             start = self._start_step(ahead_of=cur)
-            try:
+
+            def launch() -> LaunchedStep:
                 with self._undone_on_error(ahead):
-                    self._inflight = self._launch(ahead, self._build(ahead, cur), start,
-                                                  ahead=True)
-            except BaseException:
-                self._finish(cur)  # its tokens are the requests' (``output``) before raising
-                raise
+                    return self._launch(ahead, self._build(ahead, cur), start, ahead=True)
+
+            self._inflight = self._ahead_of(cur, launch)
         return self._finish(cur) + self._finish_discarded()
+
+    def _ahead_of(self, cur: LaunchedStep, launch: Callable[[], LaunchedStep | None]
+                  ) -> LaunchedStep | None:
+        """``launch()`` of the step after ``cur``; where it raises, ``cur`` is finished first
+        (its tokens are the requests' ``output`` before the error propagates)."""
+        try:
+            return launch()
+        except BaseException:
+            self._finish(cur)
+            raise
 
     def _finish_discarded(self) -> list[tuple[Request, int]]:
         """Finishes at once a step run ahead all of whose requests stopped (a stop token in
