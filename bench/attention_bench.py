@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from bench.args import check_out_file, positive
 from bench.case import Case
 from bench.hardware import Ceilings, measure
 from bench.timing import Timing, bench_time
@@ -265,13 +267,16 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([TABLE_HEAD] + [format_row(r) for r in rows])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.attention_bench",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few cases per regime")
     parser.add_argument("--sweep", action="store_true", help="launch variants (GPU)")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args()
+    parser.add_argument("--reps", type=positive, default=30)
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.json:
+        check_out_file(parser, "--json", args.json)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     print(TABLE_HEAD, flush=True)

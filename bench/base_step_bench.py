@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench.args import check_out_file, positive
 from bench.base_step_suite import decode_batch
 from bench.hardware import Ceilings, measure
 from bench.step_floor import StepFloor
@@ -98,19 +99,27 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.base_step_bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[512, 4096])
+    parser.add_argument("--batch-sizes", type=positive, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--backends", nargs="+", default=["torch", "triton"],
                         choices=["torch", "triton"])
-    parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
+    parser.add_argument("--profile", type=positive, nargs=2, action="append", default=[],
                         metavar=("BS", "CONTEXT"), help="kernel breakdown of that replay "
                         "(repeatable)")
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.json:
+        check_out_file(parser, "--json", args.json)
     if not torch.cuda.is_available():
+        if args.profile:
+            parser.error("--profile BS CONTEXT lists a replay's CUDA kernels: it needs a GPU")
+        print("no GPU: the tiny CPU case (2 layers, bs 1 and 2, context 16, torch and triton "
+              "kernels); --layers, --contexts, --batch-sizes and --backends apply on a GPU",
+              flush=True)
         rows = run_base_step(torch.device("cpu"), torch.float32, preset="tiny", layers=2,
                              batch_sizes=(1, 2), contexts=(16,), reps=2)
     else:
@@ -120,7 +129,7 @@ def main() -> None:
                              backends=tuple(args.backends))
     print(format_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import provenance, results
+from bench.args import at_least, check_out_file, positive
 from bench.results import make_row
 from bench.scenarios import DPCase
 from bench.timing import Timing
@@ -207,25 +208,40 @@ def _run_record() -> dict:
     return provenance.collect(device) | {"profile": "gpu" if device.type == "cuda" else "cpu"}
 
 
+def check_out(p: argparse.ArgumentParser, out: Path) -> None:
+    """Before any rank starts: the result file can be written and, where it exists, read (the
+    run adds its rows to it)."""
+    check_out_file(p, "--out", out)
+    if out.exists():
+        try:
+            results.load(out)
+        except results.ResultFileError as e:
+            p.error(f"--out: {e} (this run would add its rows to it)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dp_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--preset", default="llama3-8b")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--adapters", type=int, nargs="+", default=[0, 4])
+    p.add_argument("--sizes", type=positive, nargs="+", default=[1, 2])
+    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--adapters", type=at_least(0), nargs="+", default=[0, 4])
     p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--requests-per-rank", type=int, default=64,
+    p.add_argument("--rank", type=positive, default=16)
+    p.add_argument("--requests-per-rank", type=positive, default=64,
                    help="requests of a case per DP rank (a case of size N serves N times this)")
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--output", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--prompt", type=positive, default=128)
+    p.add_argument("--output", type=positive, default=64)
+    p.add_argument("--max-batch", type=positive, default=32)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--serial", action="store_true",
                    help="serve without overlap (each step waits for the last one's tokens)")
-    p.add_argument("--out", type=Path, required=True, help="JSON list of result rows")
+    p.add_argument("--out", type=Path, required=True,
+                   help="result file (rows upserted by case, as python -m bench writes)")
     args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    check_out(p, args.out)
     opts = {k: getattr(args, k) for k in ("preset", "layers", *WORKLOAD)}
     opts["cases"] = [{"adapters": a, "load": load, "rank": args.rank}
                      for a in args.adapters for load in args.loads]

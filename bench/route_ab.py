@@ -30,10 +30,13 @@ import kernels.config as config
 import kernels.expand
 import kernels.shrink
 import lora_runtime.lora.side_stream as side_stream
+from bench.args import int_list, positive, torch_device, torch_dtype
 from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.table import render
 from bench.timing import bench_time
+from lora_runtime.lora.backends import BACKENDS
+from lora_runtime.model.config import PRESETS
 
 _CACHED = [f for module in (config, kernels.shrink, kernels.expand) for f in vars(module).values()
            if callable(getattr(f, "cache_clear", None))]
@@ -199,22 +202,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.route_ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--preset", default="llama3-8b")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--adapters", type=int, default=16)
-    p.add_argument("--rank", type=lambda s: [int(r) for r in s.split("/")], default=[16],
+    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--context", type=positive, default=256)
+    p.add_argument("--adapters", type=positive, default=16)
+    p.add_argument("--rank", type=int_list("/"), default=[16],
                    help="ranks, adapter i gets rank i mod len (8/16/64)")
-    p.add_argument("--bs", type=lambda s: [int(b) for b in s.split(",")], default=[16],
+    p.add_argument("--bs", type=int_list(","), default=[16],
                    help="batch sizes (prefill: requests of --context tokens)")
     p.add_argument("--variant", dest="variants", action="append", type=_variant_arg,
-                   required=True, help="NAME or NAME:KNOB=VALUE,... (repeat; two or more)")
-    p.add_argument("--backend", default="triton")
-    p.add_argument("--dtype", type=lambda s: getattr(torch, s), default=None,
+                   required=True, help="NAME or NAME:KNOB=VALUE,... (repeat to compare)")
+    p.add_argument("--backend", default="triton", choices=sorted(BACKENDS))
+    p.add_argument("--dtype", type=torch_dtype, default=None,
                    help="default: bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--device", default=None)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--reps", type=int, default=20, help="replays a timing")
+    p.add_argument("--device", type=torch_device, default=None)
+    p.add_argument("--rounds", type=positive, default=6)
+    p.add_argument("--reps", type=positive, default=20, help="replays a timing")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines")
     args = p.parse_args(argv)
     names = [v.name for v in args.variants]

@@ -27,6 +27,7 @@ import types
 import torch
 
 from bench import throughput_bench
+from bench.args import positive, torch_device
 from bench.profiles import throughput_cases
 from bench.table import render
 from graphs import replayable, static_batch
@@ -88,15 +89,20 @@ def instrumented(device: torch.device):
             setattr(owner, name, fn)
 
 
-def run(adapters: int, popularity: str, passes: int, device: torch.device) -> dict:
-    """Per step mode and phase, ms a step for each runtime; the plain passes' walls."""
-    gpu = device.type == "cuda"
-    base_case = throughput_cases("gpu" if gpu else "cpu")[0]
+def case_and_spec(adapters: int, popularity: str, device: torch.device):
+    """The profile's first throughput case with this adapter count and popularity, and its
+    workload (``ValueError`` naming the argument where they do not go together)."""
+    base_case = throughput_cases("gpu" if device.type == "cuda" else "cpu")[0]
     case = dataclasses.replace(base_case, adapters=adapters, popularity=popularity,
                                ranks=base_case.ranks if adapters == 0 else "16")
     prompt, output = (int(x) for x in case.workload.removeprefix("in").split("-out"))
-    spec = WorkloadSpec(case.requests, prompt, output, popularity=popularity,
-                        num_adapters=adapters, seed=1)
+    return case, WorkloadSpec(case.requests, prompt, output, popularity=popularity,
+                              num_adapters=adapters, seed=1)
+
+
+def run(adapters: int, popularity: str, passes: int, device: torch.device) -> dict:
+    """Per step mode and phase, ms a step for each runtime; the plain passes' walls."""
+    case, spec = case_and_spec(adapters, popularity, device)
     ctx = types.SimpleNamespace(device=device, telemetry=None)
     runtimes = {"lora": throughput_bench._Runtime(case, ctx, spec, adapters),
                 "base": throughput_bench._Runtime(case, ctx, spec, 0)}
@@ -160,15 +166,18 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve_phases", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--adapters", type=int, default=16)
+    p.add_argument("--adapters", type=positive, default=16)
     p.add_argument("--popularity", default="uniform",
                    choices=["identical", "uniform", "zipf", "distinct"])
-    p.add_argument("--passes", type=int, default=4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--passes", type=positive, default=4)
+    p.add_argument("--device", type=torch_device,
+                   default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
-    if a.adapters < 1 or a.passes < 1:
-        p.error("--adapters and --passes must be >= 1")
-    result = run(a.adapters, a.popularity, a.passes, torch.device(a.device))
+    try:
+        case_and_spec(a.adapters, a.popularity, a.device)
+    except ValueError as e:
+        p.error(f"--adapters {a.adapters} --popularity {a.popularity}: {e}")
+    result = run(a.adapters, a.popularity, a.passes, a.device)
     print(table(result))
     return 0
 

@@ -9,28 +9,68 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 
 import torch
 
 import kernels  # noqa: F401
 from bench import hardware, kernel_bench
+from bench.args import positive
 from bench.timing import bench_time
 from kernels import SegmentLayout, lora_expand, lora_shrink, plan_segments
+from lora_runtime.model.config import PRESETS
+
+
+def _overrides(launch) -> tuple[str, ...]:
+    names = list(inspect.signature(launch).parameters)
+    return tuple(names[names.index("layout") + 1:])
+
+
+OVERRIDES = {"shrink": _overrides(lora_shrink), "expand": _overrides(lora_expand)}
+"""The launch overrides each kernel's launcher takes (its keyword arguments after
+``layout``), read from the launchers so the two cannot drift apart."""
+
+
+def parse_grid(p: argparse.ArgumentParser, grid: list[str], kernel: str):
+    """``name=v1,v2`` items -> (names, value lists); a bad item is a usage error naming it."""
+    names, values = [], []
+    for item in grid:
+        name, eq, text = item.partition("=")
+        if not eq or not text:
+            p.error(f"--grid {item!r}: give name=v1,v2,... (names for --kernel {kernel}: "
+                    f"{', '.join(OVERRIDES[kernel])})")
+        if name not in OVERRIDES[kernel]:
+            p.error(f"--grid {item!r}: {name!r} is not a launch override of --kernel {kernel}; "
+                    f"choose from {', '.join(OVERRIDES[kernel])}")
+        try:
+            vals = [None if v == "auto" else int(v) for v in text.split(",")]
+        except ValueError:
+            p.error(f"--grid {item!r}: values are integers or auto")
+        if any(v is not None and v < 1 for v in vals):
+            p.error(f"--grid {item!r}: values must be >= 1 (or auto)")
+        names.append(name)
+        values.append(vals)
+    return names, values
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
     p.add_argument("--module", required=True)
-    p.add_argument("--tokens", type=int, required=True)
-    p.add_argument("--adapters", type=int, default=1)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tokens", type=positive, required=True)
+    p.add_argument("--adapters", type=positive, default=1)
+    p.add_argument("--rank", type=positive, default=16)
     p.add_argument("--kernel", choices=("shrink", "expand"), required=True)
     p.add_argument("--grid", nargs="*", default=[], help="name=v1,v2 ... (launch overrides)")
     p.add_argument("--once", action="store_true")
     args = p.parse_args(argv)
+    try:
+        PRESETS[args.preset]().module_shape(args.module)
+    except KeyError as e:
+        p.error(f"--module: {e.args[0]}")
+    names, values = parse_grid(p, args.grid, args.kernel)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     case = kernel_bench.KernelCase(args.preset, args.module, args.tokens, args.adapters,
@@ -46,9 +86,6 @@ def main(argv=None) -> int:
     ys = [torch.randn(case.tokens, case.shape.out_features, dtype=dtype, device=device)
           for _ in ws]
     shrunk = [lora_shrink(x, w, layout) for x, w in zip(xs, ws, strict=True)]
-    names = [g.split("=")[0] for g in args.grid]
-    values = [[None if v == "auto" else int(v) for v in g.split("=")[1].split(",")]
-              for g in args.grid]
     rows = []
     for combo in itertools.product(*values) if values else [()]:
         kw = dict(zip(names, combo, strict=True))

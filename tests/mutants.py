@@ -567,6 +567,10 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=0.4, help="schedule budget per run")
     p.add_argument("--timeout", type=int, default=900)
     args = p.parse_args(argv)
+    unknown = [n for n in args.only if n not in {m.name for m in MUTANTS}]
+    if unknown:
+        p.error(f"--only {' '.join(unknown)}: no such mutant (python tests/mutants.py --list "
+                "names them)")
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.list:
         for m in MUTANTS:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.args import existing_file
 from bench.host import compare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     compare.add_options(p)
-    p.add_argument("--baseline", type=Path, default=None, metavar="FILE",
+    p.add_argument("--baseline", type=existing_file, default=None, metavar="FILE",
                    help="compare with this run file instead of the previous run")
     p.add_argument("--publish", action="store_true",
                    help="when the comparison passes, write the run (without raw samples) to "
@@ -70,7 +71,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"--publish with {' '.join(subset)}: the reference must hold every "
                          "benchmark, and a subset would replace it. Run without the selection "
                          "to publish, or drop --publish")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out} is a file, not a folder: give a folder (it is "
+                         "created when missing)")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {args.out}: cannot create the folder ({e.strerror}): give a "
+                         "writable folder") from None
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     # Not a run file's name until it passed: a failed run must never become a baseline.
     partial = args.out / f".{stamp}.partial.json"

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.args import existing_file
 from bench.table import fmt, render
 
 RUN_NAME = re.compile(r"^(?P<stamp>\d{8}-\d{6})-(?P<device>.+)\.json$")
@@ -136,8 +137,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("new", type=Path)
-    p.add_argument("old", type=Path, nargs="?", default=None,
+    p.add_argument("new", type=existing_file)
+    p.add_argument("old", type=existing_file, nargs="?", default=None,
                    help="default: the newest earlier run of the same device beside NEW")
     add_options(p)
     args = p.parse_args(argv)
