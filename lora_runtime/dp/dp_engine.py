@@ -128,7 +128,11 @@ class DPEngine(Engine):
                 break
         return self.finished
 
-    def step(self) -> list[tuple[Request, int]]:
+    def _step(self) -> list[tuple[Request, int]]:
+        if self._unread is not None:  # reading it on this rank alone would desert the others
+            raise RuntimeError(f"{self.dp.name}: an interrupt stopped the read of a step's "
+                               "tokens on this rank; DP does not recover from faults (the "
+                               "other ranks' collectives went on): restart every rank")
         if not self.overlap:
             cur = self._launch_agreed(self._start_step())
             return [] if cur is None else self._finish(cur)

@@ -85,6 +85,12 @@ class Engine:
         self.keep_logits = keep_logits
         self.overlap = overlap
         self._inflight: LaunchedStep | None = None
+        self._undelivered: list[tuple[Request, int]] = []
+        """Tokens of a step finished while the step launched ahead of it raised: in the
+        requests' ``output`` already, returned by the next ``step()``."""
+        self._unread: LaunchedStep | None = None
+        """A launched step whose tokens could not be read (the wait raised: an interrupt):
+        the next ``step()`` reads them before anything else."""
         self._last_end: float | None = None
         self.clock = clock
         slots = self.lora.config.max_loras_per_batch if self.lora is not None else 1
@@ -161,7 +167,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_work
+        return (self._inflight is not None or self._unread is not None
+                or self.scheduler.has_work or bool(self._undelivered))
 
     # -- adapters while serving -------------------------------------------------------------
     def load_adapter(self, name: str, source, *, pinned: bool = False) -> None:
@@ -212,9 +219,11 @@ class Engine:
     def _discard_all(self) -> None:
         """Drops every request, queued or running (their KV slots freed), and the step in
         flight: what a warm-up that failed half-way leaves behind."""
-        if self._inflight is not None and self._inflight.ready is not None:
-            self._inflight.ready.synchronize()  # its kernels still write the slots freed here
-        self._inflight = None
+        for launched in (self._unread, self._inflight):
+            if launched is not None and launched.ready is not None:
+                launched.ready.synchronize()  # its kernels still write the slots freed here
+        self._inflight = self._unread = None
+        self._undelivered = []
         release(self.scheduler.running, self.kv)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
@@ -225,7 +234,17 @@ class Engine:
     def step(self) -> list[tuple[Request, int]]:
         """Runs one forward; returns the (request, token) pairs it produced. With ``overlap``
         the forward may already be running (launched by the previous call), and the next
-        one may be launched before this one's tokens are read."""
+        one may be launched before this one's tokens are read. Tokens a raising ``step()``
+        delivered to the requests (the step in flight, finished before the step launched
+        ahead of it raised) come first in the next call's return."""
+        return self._deliver(self._step())
+
+    def _deliver(self, produced: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        if self._undelivered:
+            produced, self._undelivered = self._undelivered + produced, []
+        return produced
+
+    def _step(self) -> list[tuple[Request, int]]:
         if self.overlap:
             return self._step_overlapped()
         start = self._start_step()
@@ -234,11 +253,17 @@ class Engine:
             return []
         with self._undone_on_error(plan):
             logits, replayed = self.forward(self._build(plan))
-        produced = self._sample(plan, logits)
+            # Hazard: the host waits here for the device (an interrupt lands here most): the
+            # step's KV slots are given back unless its tokens were read.
+            tokens = self._sample(plan, logits)
+        produced = self._take(plan, tokens, logits, [not r.prefilling for r in plan.requests])
         self._record(plan, _replayed_as(replayed), start)
         return produced
 
     def _step_overlapped(self) -> list[tuple[Request, int]]:
+        if self._unread is not None:  # the last call's read was interrupted: read it now
+            unread, self._unread = self._unread, None
+            return self._finish(unread) + self._finish_discarded()
         cur, self._inflight = self._inflight, None
         if cur is None:
             start = self._start_step()
@@ -267,7 +292,9 @@ class Engine:
         try:
             return launch()
         except BaseException:
-            self._finish(cur)
+            # Hazard: the tokens are in the requests' ``output`` now; a streaming caller reads
+            # them from ``step()``'s return, which this raise skips: the next call returns them.
+            self._undelivered += self._finish(cur)
             raise
 
     def _finish_discarded(self) -> list[tuple[Request, int]]:
@@ -302,9 +329,15 @@ class Engine:
     def _finish(self, cur: LaunchedStep) -> list[tuple[Request, int]]:
         """Reads ``cur``'s tokens (waiting for its device work alone), retires its requests and
         records the step."""
-        if cur.ready is not None:
-            cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
-        tokens = cur.host.tolist()
+        try:
+            if cur.ready is not None:
+                cur.ready.synchronize()  # the one host sync of a step: this step's tokens only
+            tokens = cur.host.tolist()
+        except BaseException:
+            # Hazard: an interrupt while the host waits leaves the step launched (its KV slots
+            # taken, a step ahead maybe decoding from its tokens): read it again next call.
+            self._unread = cur
+            raise
         produced = self._take(cur.plan, tokens, cur.logits, cur.samples)
         self._record(cur.plan, cur.graph, cur.start, cur.jit, cur.ahead, cur.jit_end)
         return produced
@@ -403,9 +436,9 @@ class Engine:
         rows = [row_of.get(r, -1) for r in plan.requests]
         return build_decode(plan.requests, self.kv, self.runner.device, running.tokens, rows)
 
-    def _sample(self, plan: ScheduledStep, logits: torch.Tensor) -> list[tuple[Request, int]]:
-        tokens = logits.argmax(-1).tolist()  # the one host sync of a step
-        return self._take(plan, tokens, logits, [not r.prefilling for r in plan.requests])
+    def _sample(self, plan: ScheduledStep, logits: torch.Tensor) -> list[int]:
+        """The greedy tokens of ``plan``'s rows, on the host."""
+        return logits.argmax(-1).tolist()  # the one host sync of a step
 
     def _take(self, plan: ScheduledStep, tokens: list[int], logits: torch.Tensor | None,
               samples: list[bool]) -> list[tuple[Request, int]]:
