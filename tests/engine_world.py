@@ -105,3 +105,21 @@ def compare_with_alone(got, want, output, dtype, what: str) -> int:
             assert output[k] == int(w.argmax()), f"{what} token {k}"
             compared += 1
     return compared
+
+
+def stream_through(engine: Engine, fault: type[BaseException], max_calls: int = 200
+                   ) -> tuple[dict[int, list[int]], int]:
+    """Calls ``step()`` until the engine has no work, as a streaming client does: each
+    request's tokens as ``step()`` returned them (by request id), and how many calls raised
+    ``fault`` (caught, serving goes on)."""
+    streamed: dict[int, list[int]] = {}
+    raised = calls = 0
+    while engine.has_work:
+        calls += 1
+        assert calls <= max_calls, "the engine never drained"
+        try:
+            for req, token in engine.step():
+                streamed.setdefault(req.id, []).append(token)
+        except fault:
+            raised += 1
+    return streamed, raised

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import DEVICE
-from engine_world import EngineWorld
+from engine_world import EngineWorld, stream_through
 
 from lora_runtime.engine import engine as engine_module
 from lora_runtime.engine.scheduler import SchedulerConfig
@@ -54,19 +54,10 @@ def test_an_interrupt_while_reading_tokens_leaves_the_engine_serving(monkeypatch
             return real_sample(self, *args)
 
         monkeypatch.setattr(engine_module.Engine, "_sample", sample)
-    streamed = {id(r): [] for r in reqs}
-    interrupted = steps = 0
-    while eng.has_work:
-        steps += 1
-        assert steps < 50
-        try:
-            for r, tok in eng.step():
-                streamed[id(r)].append(tok)
-        except KeyboardInterrupt:
-            interrupted += 1
+    streamed, interrupted = stream_through(eng, KeyboardInterrupt, max_calls=50)
     assert interrupted == 1
     for r in reqs:
-        assert len(r.output) == 5 and streamed[id(r)] == r.output
+        assert len(r.output) == 5 and streamed[r.id] == r.output
         w.check_request(eng, r)
     assert w.runner.kv.free_slots == w.runner.kv.max_tokens
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import DEVICE
-from engine_world import EngineWorld
+from engine_world import EngineWorld, stream_through
 
 from lora_runtime.engine.scheduler import SchedulerConfig
 
@@ -30,17 +30,10 @@ def test_tokens_finished_before_a_raising_step_ahead_are_streamed(monkeypatch, f
         return real(batch)
 
     monkeypatch.setattr(w.runner, "forward_eager", flaky)
-    streamed = {id(r): [] for r in reqs}
-    raised = 0
-    while eng.has_work:
-        try:
-            for r, tok in eng.step():
-                streamed[id(r)].append(tok)
-        except Boom:
-            raised += 1
+    streamed, raised = stream_through(eng, Boom)
     assert raised == 1
     for r in reqs:
         assert len(r.output) == 5
-        assert streamed[id(r)] == r.output, "each token is returned by step() exactly once"
+        assert streamed[r.id] == r.output, "each token is returned by step() exactly once"
         w.check_request(eng, r)
     assert w.runner.kv.free_slots == w.runner.kv.max_tokens
