@@ -43,12 +43,14 @@ def merged_model(base: LlamaForCausalLM, adapter: LoRAAdapter | None) -> LlamaFo
     if adapter is None:
         return model
     cfg = model.config
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        # Tied: an embed_tokens adapter changes the lookup only, an lm_head one the head only
+        # (PEFT wraps each module over the shared base tensor).
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     for (layer, target), m in adapter.modules.items():
         delta = m.scaling * (m.b.double() @ m.a.double())
         if target == "embed_tokens":
             w = model.model.embed_tokens.weight
-            if model.lm_head.weight is w:  # tied: the adapter changes the lookup only (PEFT)
-                model.lm_head.weight = torch.nn.Parameter(w.detach().clone())
             w += delta.t().to(w.dtype).to(w.device)
             continue
         if target == "lm_head":
