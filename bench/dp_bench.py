@@ -222,7 +222,8 @@ def check_out(p: argparse.ArgumentParser, out: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dp_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=positive, nargs="+", default=[1, 2])
+    p.add_argument("--sizes", type=positive, nargs="+", default=None,
+                   help="DP sizes to spawn (default 1 2; under torchrun the world size)")
     p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
     p.add_argument("--layers", type=positive, default=4)
     p.add_argument("--adapters", type=at_least(0), nargs="+", default=[0, 4])
@@ -249,6 +250,9 @@ def main(argv=None) -> int:
     opts["overlap"] = not args.serial
     if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
         size = int(os.environ["WORLD_SIZE"])
+        if args.sizes not in (None, [size]):
+            p.error(f"--sizes {' '.join(map(str, args.sizes))}: under torchrun the DP size is "
+                    f"the world size ({size}); drop --sizes or start torchrun with that many")
         part = args.out.with_suffix(f".dp{size}.json")
         run_rank(int(os.environ["RANK"]), size, opts, str(part))
         if int(os.environ["RANK"]) == 0:
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}")
         return 0
     run = _run_record()
-    for size in args.sizes:
+    for size in args.sizes or [1, 2]:
         part = args.out.with_suffix(f".dp{size}.json")
         spawn(run_rank, size, size, opts, str(part), timeout_s=args.timeout)
         results.upsert(args.out, run, json.loads(part.read_text()))

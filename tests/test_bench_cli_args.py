@@ -131,3 +131,14 @@ def test_attention_bench_refuses_zero_reps_and_an_unwritable_json(monkeypatch, c
 def test_base_step_bench_says_profile_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(base_step_bench, "run_base_step", _never)
     _usage_error(capsys, base_step_bench.main, ["--profile", "256", "512"], "needs a GPU")
+
+
+def test_dp_bench_under_torchrun_refuses_sizes_other_than_the_world(monkeypatch, capsys,
+                                                                    tmp_path):
+    monkeypatch.setattr(dp_bench, "run_rank", _never)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _usage_error(capsys, dp_bench.main, DP + ["--sizes", "1", "4", "--out",
+                                              str(tmp_path / "dp.json")],
+                 "under torchrun the DP size is the world size (2)")
