@@ -23,7 +23,8 @@ def run_case(case: AttentionCase, ctx: Context) -> list[dict]:
                                                               "error": str(e)})]
     return [make_row(case, ctx.profile, {}, timing=t, derived=derived, verification={
         "status": "verified", "error": None, "rel_err_vs_fp32_reference": derived["rel_err"],
-        "checks": ["request 0 vs the fp32 torch reference"]})]
+        "checks": [f"requests {', '.join(map(str, attention_bench.checked_requests(case)))} "
+                   "vs the fp32 torch reference"]})]
 
 
 def table(rows: list[dict]) -> str:

@@ -20,6 +20,7 @@ import datetime
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -150,7 +151,12 @@ def run_suite(name, cases, ctx, tele, run, out, slug, publish) -> list[dict]:
     for case in cases:
         bar.start(case.label)
         with tele.span() as rec, nvtx_range(case.label):
-            new = run_case(case)
+            try:
+                new = run_case(case)
+            except Exception as e:  # noqa: BLE001  a case that raises is failed, not lost
+                tail = "".join(traceback.format_exception_only(e)).strip()[-2000:]
+                new = [results.make_row(case, ctx.profile, {}, verification={
+                    "status": "failed", "error": f"{case.label}: the case raised: {tail}"})]
         for r in new:
             r["telemetry"] = rec or None
         run["suite_seconds"][name] = time.perf_counter() - t0

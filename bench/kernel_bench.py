@@ -115,7 +115,12 @@ def make_weights(case: KernelCase, device) -> LoRAWeights:
     w.lora_a.normal_(0, case.shape.in_features**-0.5)
     w.lora_b.normal_(0, case.rank**-0.5)
     w.ranks[: case.adapters] = case.rank
-    w.scalings[: case.adapters] = 2.0
+    # A scaling of its own per slot and slice (timing does not depend on it): with one value
+    # everywhere, a kernel reading another slot's or slice's scaling passed the check.
+    slots = torch.arange(case.adapters, dtype=torch.float32, device=w.scalings.device)
+    slices = torch.arange(w.num_slices, dtype=torch.float32, device=w.scalings.device)
+    w.scalings[: case.adapters] = 2.0 * (1 + 0.5 * slots[:, None] / case.adapters
+                                         + 0.125 * slices[None, :])  # 2.0 to 3.25
     return w
 
 

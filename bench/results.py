@@ -34,6 +34,9 @@ SCHEMA = 2
 
 def make_row(case: Case, profile: str, variant: dict, *, timing=None, derived=None,
              telemetry=None, verification=None) -> dict:
+    if (verification or {}).get("status") == "failed":
+        # Never published, charted or compared as if good: a failed case carries no timing.
+        timing, derived = None, None
     return {
         "schema": SCHEMA, "suite": case.suite, "label": case.label,
         "reproduce": case.reproduce(profile), **case.key(), "case_key": sorted(case.key()),

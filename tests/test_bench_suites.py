@@ -129,7 +129,7 @@ def test_an_attention_case_is_verified_then_timed():
 
 @needs_interpreter
 def test_an_attention_case_off_the_reference_is_failed_and_not_timed(monkeypatch):
-    monkeypatch.setattr(attention_bench, "_first_request_error", lambda *a: 0.5)
+    monkeypatch.setattr(attention_bench, "_request_error", lambda *a: 0.5)
     [row] = attention_suite.run_case(ATTENTION, CTX)
     assert row["verification"]["status"] == "failed" and "relative error" in \
         row["verification"]["error"]
