@@ -9,6 +9,10 @@ import os
 
 import torch
 
+# lora_runtime checks this: Hugging Face's `kernels` package (transformers >= 5.25 requires it)
+# has the same import name and may shadow or overwrite this one.
+PROJECT = "multilora-graphs"
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
