@@ -26,6 +26,7 @@ from bench.args import at_least, check_out_file, positive
 from bench.results import make_row
 from bench.scenarios import DPCase
 from bench.timing import Timing
+from bench.token_reference import judge, near_tie, token_reference
 from graphs import GraphRunner
 from lora_runtime.dp.controller import DPController
 from lora_runtime.dp.dp_engine import DPEngine
@@ -109,11 +110,14 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     warm = eng.warm_up()
     policy, share = LOADS[load]
     passes = []  # per timed pass: (wall, its steps, its output tokens on this rank)
+    untimed = {}  # workload index -> this rank's request of the untimed pass
     for timed in (False, *([True] * TIMED_PASSES)):
         ctrl = DPController(size, policy, share)
-        for w in make_workload(spec, config.vocab_size):  # the warm-up serves it once too
+        for i, w in enumerate(make_workload(spec, config.vocab_size)):  # warm-up serves it too
             if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
-                eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
+                req = eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
+                if not timed:
+                    untimed[i] = req
         first, done = len(eng.timeline), len(eng.finished)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -166,8 +170,17 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     verification = {"status": "verified" if int(tokens) == sum(
         w.max_new_tokens for w in make_workload(spec, config.vocab_size)) else "failed",
         "error": None, "checked": "every request produced max_new_tokens tokens"}
+    # Every rank's untimed-pass tokens, by workload index, against an eager forward of an
+    # unsharded copy of the model on rank 0 (a count cannot see wrong tokens).
+    mine = [None] * size
+    torch.distributed.all_gather_object(mine, {i: list(q.output) for i, q in untimed.items()},
+                                        group=dp.cpu_group)
+    if rank == 0 and verification["status"] == "verified":
+        verification = _verify_reference(config, dtype, device, adapters, r, spec,
+                                         {i: o for part in mine for i, o in part.items()},
+                                         verification)
     row = make_row(case, opts["profile"], {}, timing=timing, derived=derived,
-                   verification=verification)
+                   verification=verification)  # a failed one keeps neither
     if rank == 0:
         print(f"[dp] size={size} {load:8} adapters={adapters:2} "
               f"{derived['output_tokens_per_s']:9.1f} tok/s  idle share per rank "
@@ -175,6 +188,26 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
               f"{'/'.join('-' if us is None else f'{us:.1f}' for us in idle.values())} us",
               flush=True)
     return row
+
+
+def _verify_reference(config, dtype, device, adapters, r, spec, outs: dict,
+                      verification: dict) -> dict:
+    """``outs`` (workload index -> tokens, every rank's) against ``token_reference`` on an
+    unsharded model with the same weights (seed 0) and adapters."""
+    workload = make_workload(spec, config.vocab_size)
+    model = LlamaForCausalLM.random(config, dtype, device, seed=0)
+    lora = None
+    if adapters:
+        lora = LoRAManager(model, LoRAConfig(max(adapters, 1), r, backend="triton"
+                                             if device.type == "cuda" else "torch"))
+        for name in spec.adapter_names:
+            lora.load_adapter(name, random_adapter(config, name, r,
+                                                   seed=int(name.rsplit("-", 1)[1]),
+                                                   dtype=dtype))
+    tie = near_tie(str(dtype).removeprefix("torch."))
+    outs = [outs.get(i, []) for i in range(len(workload))]
+    return judge(token_reference(model, lora, workload, outs, tie), model, tie,
+                 {**verification, "checks": [verification["checked"]]})
 
 
 def _idle_share(steps) -> float:

@@ -132,8 +132,13 @@ def _verify_idle(case: IdleCase, rts: dict[str, BenchRuntime]) -> dict:
     for name, rt in rts.items():
         kv = rt.kv_past_scratch()
         for path, forward in (("eager", rt.idle_eager), ("graph", rt.idle_step)):
-            out = forward()
             what = f"{case.label}: the {name} runtime's {path} idle forward"
+            # After a step with LoRA rows (a DP rank going idle): its batch must not be run.
+            rt.leave_lora_batch()
+            try:
+                out = forward()
+            except (RuntimeError, ValueError) as e:
+                raise AssertionError(f"{what} after a LoRA batch raised: {e}") from e
             if out.shape[0] != 0:
                 raise AssertionError(f"{what} returned {out.shape[0]} rows, expected 0")
             if rt.lora_active:
@@ -144,6 +149,7 @@ def _verify_idle(case: IdleCase, rts: dict[str, BenchRuntime]) -> dict:
                                  "slots other than the scratch slot")
     return {"status": "verified", "error": None,
             "checks": ["no rows out (eager and graph)", "graph without LoRA replayed",
+                       "a LoRA batch left prepared before it is not run",
                        "no LoRA batch prepared", "KV cache unchanged past the scratch slot"]}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.lora_reference import MergedReference
 from bench.step_floor import matrix_bytes
 from graphs import GraphRunner
 from graphs.runner import BASE, LORA
@@ -41,12 +42,14 @@ class BenchRuntime:
         self.kv = KVCache(config, 2 * room * (context + 8) + 8, dtype, device)
         self.names: list[str] = []
         self.lora = None
+        self.adapters = {}  # the host adapters as built here: the merged reference's source
         if adapters > 0:
             self.lora = LoRAManager(self.model, LoRAConfig(adapters, max(ranks), backend=backend))
             self.names = [f"bench{i}" for i in range(adapters)]
             for i, n in enumerate(self.names):
-                self.lora.load_adapter(n, random_adapter(config, n, ranks[i % len(ranks)],
-                                                         seed=i, dtype=dtype))
+                self.adapters[n] = random_adapter(config, n, ranks[i % len(ranks)], seed=i,
+                                                  dtype=dtype)
+                self.lora.load_adapter(n, self.adapters[n])
         self.runner = ModelRunner(self.model, self.kv, self.lora)
         if step == "decode":
             self.graphs = GraphRunner.decode(self.runner, sorted(set(batch_sizes)), context + 8)
@@ -68,15 +71,16 @@ class BenchRuntime:
         return {"capture_seconds": s.total_capture_seconds, "graph_memory_bytes": s.memory_bytes,
                 "graphs": len(self.graphs.graphs), "buckets": list(self.graphs.buffers.buckets)}
 
-    def batch(self, batch_size: int, traffic: str, seed: int | None = None):
+    def batch(self, batch_size: int, traffic: str, seed: int | None = None, shift: int = 0):
         """Requests of ``context`` prompt tokens, ``traffic == "lora"`` spreading them
         round-robin over the adapters. Prefill: their prompts. Decode: one new token each,
         the prompts already in the cache. Returns the batch and the requests. ``seed``: the
-        same prompts in every runtime."""
+        same prompts in every runtime. ``shift``: request i gets adapter ``i + shift``."""
         names = self.names if traffic == "lora" else [None]
         g = None if seed is None else torch.Generator().manual_seed(seed)
         reqs = [Request(torch.randint(0, self.config.vocab_size, (self.context,),
-                                      generator=g).tolist(), names[i % len(names)], 4)
+                                      generator=g).tolist(), names[(i + shift) % len(names)],
+                        4)
                 for i in range(batch_size)]
         if self.step_kind == "prefill":
             return build_extend(reqs, self.kv, self.device), reqs
@@ -86,6 +90,18 @@ class BenchRuntime:
         for r in reqs:
             r.output.append(1)
         return build_decode(reqs, self.kv, self.device), reqs
+
+    def check_against_merged(self, got: torch.Tensor, reqs, what: str) -> dict:
+        """The LoRA runtime's logits of ``reqs`` against each request run alone through a
+        plain copy of the model with its adapter merged (``bench.lora_reference``). The copy
+        is dropped after the check: cached runtimes would otherwise each hold a second model
+        (16 GB at the 32-layer 8B shapes)."""
+        return MergedReference(self.model, self.adapters).check(got, reqs, self.model_dtype,
+                                                                what)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     def release(self, reqs) -> None:
         self.kv.free([s for r in reqs for s in r.kv_slots])
@@ -105,6 +121,16 @@ class BenchRuntime:
     def idle_step(self) -> torch.Tensor:
         """An idle step's graph replay (the smallest bucket)."""
         return self.graphs.replay(self.runner.idle_batch())
+
+    def leave_lora_batch(self) -> None:
+        """Prepares a LoRA batch (one request of the first adapter) and leaves it, as a
+        rank's last step with rows does before an idle step: an idle forward must not run
+        it. Writes no KV slot (only the plan and its layouts)."""
+        if self.lora is None or not self.names:
+            return
+        reqs = [Request([1] * 4, self.names[0], 1)]
+        self.lora.prepare_lora_batch(build_extend(reqs, self.kv, self.device))
+        self.release(reqs)
 
     @property
     def lora_active(self) -> bool:

@@ -10,12 +10,13 @@ so ``pct_of_base`` compares passes made under the same conditions: the median ov
 timed passes of a pass's tokens/s as a % of its base pass's just before it;
 ``pct_of_base_at_floor`` is the % of base the case would reach if LoRA added only its bytes
 floor to the median base pass (``lora_floor_ms``: each step's distinct adapters read once at
-the measured copy rate, ``bench.lora_floor``). Verification: every
-request produced all its tokens, and every timed pass repeats the untimed pass's tokens
-(greedy, same schedule: a replay that read stale metadata after the slot churn of the first
-pass would change them) up to a near-tie: a request may diverge only at a token whose top-2
-logit margin in the untimed pass was within ``TIE`` (the split-K shrink adds in fp32 with
-atomics, so bf16 logits move by an ulp between runs)"""
+the measured copy rate, ``bench.lora_floor``). Verification: every request produced all its
+tokens; every timed pass repeats the untimed pass's tokens (greedy, same schedule: a replay
+that read stale metadata after the slot churn of the first pass would change them) up to a
+near-tie: a request may diverge only at a token whose top-2 logit margin in the untimed pass
+was within ``bench.token_reference.near_tie`` (the split-K shrink adds in fp32 with atomics,
+so bf16 logits move by an ulp between runs); and the untimed pass's tokens match an eager
+forward outside the engine (``bench.token_reference``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from bench.lora_floor import pass_floor_ms
 from bench.results import make_row
 from bench.scenarios import ThroughputCase
 from bench.timing import Timing
+from bench.token_reference import judge, near_tie, token_reference
 from graphs import GraphRunner
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.kv_cache import KVCache
@@ -42,7 +44,6 @@ from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import PRESETS
 from lora_runtime.model.llama import LlamaForCausalLM
 
-TIE = 0.125
 SLOTS = 16
 """Adapter slots of a LoRA runtime (``max_loras_per_batch``): a workload with more adapters
 moves them in and out of slots while it runs, and a decode batch holds at most this many."""
@@ -92,11 +93,21 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
         for rt, wl in ((base, base_workload), (main, workload)):
             if rt is not None:
                 rt.timed_pass(wl)
-    verification = _verify(main.passes, workload, main.margins)
+    tie = near_tie(case.dtype)
+    verification = _verify(main.passes, workload, main.margins, tie)
+    if verification["status"] == "verified":
+        verification = _verify_reference(main, workload, verification, tie)
     if base is not None and verification["status"] == "verified":
-        check = _verify(base.passes, base_workload, base.margins)
+        check = _verify(base.passes, base_workload, base.margins, tie)
+        if check["status"] == "verified":
+            check = _verify_reference(base, base_workload, check, tie)
         if check["status"] != "verified":
             verification = {**check, "error": f"interleaved base runtime: {check['error']}"}
+    if verification["status"] == "failed":  # not timed as if good: no stats, no figures
+        main.release()
+        if base is not None:
+            base.release()
+        return make_row(case, ctx.profile, {}, verification=verification)
     wall, reqs, timeline, rec, writes = sorted(main.runs, key=lambda r: r[0])[len(main.runs) // 2]
     tokens = sum(len(o) for o in main.passes[1])
     ttft = sorted(r.metrics.ttft for r in reqs)
@@ -255,7 +266,7 @@ def _step_split(timeline) -> dict:
     return out
 
 
-def _verify(passes, workload, margins) -> dict:
+def _verify(passes, workload, margins, tie: float) -> dict:
     """Every timed pass against the warm-up."""
     short = [i for p in passes[1:] for i, (o, w) in enumerate(zip(p, workload, strict=True))
              if len(o) != w.max_new_tokens]
@@ -269,15 +280,22 @@ def _verify(passes, workload, margins) -> dict:
         if k is None:
             continue
         diverged.append(i)
-        if margins[i][k] > TIE:
+        if margins[i][k] > tie:
             bad.append((i, k, round(margins[i][k], 3)))
     if bad:
         return {"status": "failed",
                 "error": f"(request, token, warm-up margin) {bad[:5]}: the timed pass chose "
-                         f"another token where the warm-up's top-2 margin exceeded {TIE}"}
+                         f"another token where the warm-up's top-2 margin exceeded {tie}"}
     return {"status": "verified", "error": None, "diverged_at_near_ties": len(diverged),
             "checks": ["every request produced all its tokens",
-                       f"timed pass tokens == warm-up's up to a near-tie (margin <= {TIE})"]}
+                       f"timed pass tokens == warm-up's up to a near-tie (margin <= {tie})"]}
+
+
+def _verify_reference(rt: _Runtime, workload, verification: dict, tie: float) -> dict:
+    """The untimed pass's tokens (which every timed pass repeats) against an eager forward
+    outside the engine (``bench.token_reference``)."""
+    return judge(token_reference(rt.runner.model, rt.lora, workload, rt.passes[0], tie),
+                 rt.runner.model, tie, verification)
 
 
 def _q(xs: list[float], q: float) -> float:

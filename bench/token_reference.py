@@ -1,0 +1,99 @@
+"""An engine's tokens against an eager forward outside the engine.
+
+The throughput and DP suites otherwise compare the engine with itself (timed passes with the
+untimed pass, a token count), so a deterministic fault (a step's tokens given to the wrong
+requests, DP rows gathered out of order) is verified and its tokens/s published. Here each
+of the first requests is prefilled again, alone with a few others, through the plain model
+runner: the greedy token there must be the engine's, except at a near-tie."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_runtime.engine.kv_cache import KVCache
+from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request, build_extend
+
+TIE = 0.125
+"""bf16/fp16: the near-tie margin (logit units) within which a token may differ between two
+paths (fp32 atomics in another order move bf16 logits by an ulp)."""
+TIE_FP32 = 1e-3
+"""fp32 (the CPU profile): the paths round only slightly differently. 0.125 there excused
+nearly every token of the tiny model, whose top-2 margins are mostly below it."""
+REQUESTS = 16
+"""Requests whose tokens are recomputed (the first ones of the workload)."""
+CHUNK = 8
+"""Requests per reference forward."""
+SHARE_BF16 = 1 / 8
+"""bf16/fp16: the share of probes that may differ past the near-tie. Two equally accurate
+bf16 paths can flip a token past 0.1 on an ill-conditioned row (seen on the H200 with rank
+64-128 adapters); a structural fault moves most probes. fp32 allows none."""
+CHECK = (f"first and last tokens of the first {REQUESTS} requests == an eager forward outside "
+         "the engine")
+
+
+def near_tie(dtype: str) -> float:
+    return TIE_FP32 if dtype == "float32" else TIE
+
+
+def token_reference(model, lora, workload, outs, tie: float) -> tuple[list, int]:
+    """For each of the first ``REQUESTS`` requests, its prompt and the tokens before its first
+    and last output token, prefilled by an eager forward of ``model`` (with ``lora``): the
+    greedy token there must be the one the engine gave that request (``outs[i]``), except at a
+    near-tie (margin <= ``tie``). The engine's scheduling, overlap, graph replays, DP
+    collectives and the assignment of a step's tokens to requests are not on this path.
+    Returns the mismatches (request, token, reference token, engine token) and the probes."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    probes = []  # (request, position in its output)
+    for i, o in enumerate(outs):
+        if i < REQUESTS and o:
+            probes += [(i, k) for k in sorted({0, len(o) - 1})]
+    bad = []
+    try:
+        for chunk in _chunks(probes, workload, lora):
+            reqs = [Request(list(workload[i].prompt) + outs[i][:k], workload[i].adapter, 1)
+                    for i, k in chunk]
+            kv = KVCache(model.config, sum(len(r.prompt) for r in reqs) + 8, dtype, device)
+            logits = ModelRunner(model, kv, lora).forward_eager(
+                build_extend(reqs, kv, device)).float()
+            top2 = logits.topk(2, dim=-1)
+            for (i, k), vals, idx in zip(chunk, top2.values, top2.indices, strict=True):
+                if int(idx[0]) != outs[i][k] and float(vals[0] - vals[1]) > tie:
+                    bad.append((i, k, int(idx[0]), outs[i][k]))
+    finally:
+        if lora is not None:
+            lora.reset_lora_batch()
+    return bad, len(probes)
+
+
+def judge(found: tuple[list, int], model, tie: float, verification: dict) -> dict:
+    """``verification`` with the reference's outcome (``found``: ``token_reference``'s)."""
+    bad, probes = found
+    fp32 = next(model.parameters()).dtype == torch.float32
+    allowed = 0 if fp32 else int(probes * SHARE_BF16)
+    if len(bad) > allowed:
+        return {"status": "failed",
+                "error": f"(request, token, reference token, engine token) {bad[:5]}: "
+                         f"{len(bad)} of {probes} tokens differ from an eager forward of the "
+                         f"request's prompt and earlier tokens where the top-2 margin exceeds "
+                         f"{tie} (at most {allowed} may)"}
+    return {**verification, "reference_probes": probes, "reference_mismatches": len(bad),
+            "checks": [*verification.get("checks", []), CHECK]}
+
+
+def _chunks(probes, workload, lora) -> list[list]:
+    """``probes`` in batches of at most ``CHUNK`` requests and as many distinct adapters as
+    the slots hold."""
+    limit = lora.config.max_loras_per_batch if lora is not None else CHUNK
+    chunks, names = [[]], set()
+    for i, k in probes:
+        a = workload[i].adapter
+        if chunks[-1] and (len(chunks[-1]) == CHUNK
+                           or (a is not None and a not in names and len(names) == limit)):
+            chunks.append([])
+            names = set()
+        chunks[-1].append((i, k))
+        if a is not None:
+            names.add(a)
+    return [c for c in chunks if c]
