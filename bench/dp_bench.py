@@ -84,15 +84,26 @@ def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
     shutdown(device)
 
 
-def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dict:
+def _model(config, dtype, device, adapters, r, dp=None):
+    """The case's model (weights seed 0; MLP sharded over ``dp`` when given) and its LoRA
+    manager (None without adapters)."""
     model = LlamaForCausalLM.random(config, dtype, device, seed=0)
-    if size > 1:
+    if dp is not None:
         shard_mlp(model, dp)
     lora = None
     if adapters:
         lora = LoRAManager(model, LoRAConfig(max(adapters, 1), r,
                                              backend="triton" if device.type == "cuda"
                                              else "torch"))
+    return model, lora
+
+
+def _adapter(config, name, r, dtype):
+    return random_adapter(config, name, r, seed=int(name.rsplit("-", 1)[1]), dtype=dtype)
+
+
+def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dict:
+    model, lora = _model(config, dtype, device, adapters, r, dp if size > 1 else None)
     bs = opts["max_batch"]
     requests = opts["requests_per_rank"] * size
     spec = WorkloadSpec(requests, opts["prompt"], opts["output"],
@@ -105,8 +116,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=bs, max_step_tokens=2048), graphs,
                    overlap=opts.get("overlap", OVERLAP))
     for name in spec.adapter_names if adapters else []:
-        eng.load_adapter(name, random_adapter(config, name, r, seed=int(name.rsplit("-", 1)[1]),
-                                              dtype=dtype))
+        eng.load_adapter(name, _adapter(config, name, r, dtype))
     warm = eng.warm_up()
     policy, share = LOADS[load]
     passes = []  # per timed pass: (wall, its steps, its output tokens on this rank)
@@ -195,15 +205,9 @@ def _verify_reference(config, dtype, device, adapters, r, spec, outs: dict,
     """``outs`` (workload index -> tokens, every rank's) against ``token_reference`` on an
     unsharded model with the same weights (seed 0) and adapters."""
     workload = make_workload(spec, config.vocab_size)
-    model = LlamaForCausalLM.random(config, dtype, device, seed=0)
-    lora = None
-    if adapters:
-        lora = LoRAManager(model, LoRAConfig(max(adapters, 1), r, backend="triton"
-                                             if device.type == "cuda" else "torch"))
-        for name in spec.adapter_names:
-            lora.load_adapter(name, random_adapter(config, name, r,
-                                                   seed=int(name.rsplit("-", 1)[1]),
-                                                   dtype=dtype))
+    model, lora = _model(config, dtype, device, adapters, r)
+    for name in spec.adapter_names if adapters else []:
+        lora.load_adapter(name, _adapter(config, name, r, dtype))
     tie = near_tie(str(dtype).removeprefix("torch."))
     outs = [outs.get(i, []) for i in range(len(workload))]
     return judge(token_reference(model, lora, workload, outs, tie), model, tie,

@@ -235,3 +235,18 @@ def test_unloading_an_adapter_of_the_prepared_batch_is_refused(runner):
     runner.lora.reset_lora_batch()
     runner.lora.unload_adapter("other")
     assert "other" not in runner.lora.adapters and "other" not in runner.lora.pool.slot_of
+
+
+def test_a_second_manager_on_a_wrapped_model_is_refused():
+    """A second LoRAManager on the same model wrapped the wrappers: loading an lm_head
+    adapter then failed with an AttributeError deep in the layers."""
+    from lora_runtime.lora.lora_config import LoRAConfig
+    from lora_runtime.lora.manager import LoRAManager
+    from lora_runtime.model.config import PRESETS
+    from lora_runtime.model.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.random(PRESETS["tiny"](1), torch.float32, torch.device("cpu"))
+    first = LoRAManager(model, LoRAConfig(2, 4, backend="torch"))
+    with pytest.raises(ValueError, match="already has LoRA layers.*fresh model"):
+        LoRAManager(model, LoRAConfig(2, 4, backend="torch"))
+    assert first.model is model and not first.adapters

@@ -30,6 +30,8 @@ HF = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type"
     ({"rope_theta": 0}, "rope_theta must be a positive"),
     ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive"),
     ({"head_dim": -8}, "head_dim must be positive"),
+    ({"head_dim": 0}, "head_dim must be positive"),  # 0 was taken as null (derived)
+    ({"num_key_value_heads": 0}, "num_kv_heads must be positive"),  # 0 was taken as null
 ])
 def test_a_config_the_model_cannot_serve_is_refused(extra, says):
     with pytest.raises(ValueError, match=says):
@@ -39,9 +41,12 @@ def test_a_config_the_model_cannot_serve_is_refused(extra, says):
 def test_explicit_nulls_take_the_defaults():
     cfg = LlamaConfig.from_hf(HF | {"rope_theta": None, "rms_norm_eps": None,
                                      "max_position_embeddings": None, "sliding_window": None,
-                                     "rope_scaling": {"rope_type": "default"}})
+                                     "rope_scaling": {"rope_type": "default"},
+                                     "head_dim": None, "num_key_value_heads": None})
     assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings,
             cfg.rope_scaling) == (10000.0, 1e-6, 4096, None)
+    assert (cfg.head_dim, cfg.num_kv_heads) == (HF["hidden_size"] // HF["num_attention_heads"],
+                                                HF["num_attention_heads"])
     assert LlamaConfig.from_hf(HF).num_kv_heads == 1  # no model_type, no architectures: fine
 
 

@@ -18,7 +18,7 @@ from lora_runtime.lora.batch_info import (
     LOGITS_BLOCK_M,
     LoRABatchPlan,
 )
-from lora_runtime.lora.layers import WRAPPERS
+from lora_runtime.lora.layers import WRAPPERS, LoRALayer
 from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.slot_image import SlotImage, SlotWriter
 from lora_runtime.lora.slot_pool import SlotPool, SlotPoolError
@@ -29,6 +29,12 @@ from lora_runtime.nvtx import phase
 
 class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, config: LoRAConfig) -> None:
+        wrapped = next((name for name, m in model.named_modules() if isinstance(m, LoRALayer)),
+                       None)
+        if wrapped is not None:
+            # Wrapping again nests wrappers: an embedding or lm_head adapter then fails to load.
+            raise ValueError(f"model: {wrapped} already has LoRA layers (a LoRAManager was built "
+                             "on this model); use that manager, or build one on a fresh model")
         self.model, self.config = model, config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

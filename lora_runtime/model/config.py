@@ -105,8 +105,8 @@ class LlamaConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or 0,
+            num_kv_heads=_given(cfg.get("num_key_value_heads"), cfg["num_attention_heads"]),
+            head_dim=_hf_head_dim(cfg.get("head_dim")),
             rms_norm_eps=_given(cfg.get("rms_norm_eps"), 1e-6),
             rope_theta=_given(cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get(
                 "rope_theta"), 10000.0),
@@ -114,6 +114,18 @@ class LlamaConfig:
             max_position_embeddings=_given(cfg.get("max_position_embeddings"), 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
+
+
+def _hf_head_dim(value) -> int:
+    """config.json's ``head_dim``: null (or absent) derives it from hidden_size / heads; 0 is
+    refused like any non-positive value (``LlamaConfig``'s own 0 means "derive", so it must
+    not pass through)."""
+    if value is None:
+        return 0
+    if not value > 0:
+        raise ValueError(f"head_dim must be positive and even for rotary embeddings, got "
+                         f"{value!r} (null derives it from hidden_size / num_attention_heads)")
+    return value
 
 
 def _given(*values):
