@@ -81,7 +81,34 @@ def verification(rows: list[dict]) -> str:
            for r in failed.values()]
     if bad:
         out += "<h3>Failed cases</h3>" + _table(["case", "error", "reproduce"], bad, "bad")
-    return out
+    return out + "<h3>What the verified rows checked</h3>" + _table(
+        ["suite", "checks", "worst recorded error", "reference tokens differing"],
+        checked(rows))
+
+
+def checked(rows: list[dict]) -> list[list[str]]:
+    """Per suite, over its verified rows: the checks made, the worst of each recorded error
+    (``*err*`` fields of the verification) and the tokens that differed from the engine-free
+    reference at a near-tie (``bench.token_reference``)."""
+    suites: dict[str, tuple[list, dict, list]] = {}
+    for r in rows:
+        v = r["verification"]
+        if v.get("status") != "verified":
+            continue
+        checks, worst, tokens = suites.setdefault(r["suite"], ([], {}, [0, 0]))
+        for c in v.get("checks") or ([v["checked"]] if v.get("checked") else []):
+            if c not in checks:
+                checks.append(c)
+        for k, x in v.items():
+            if "err" in k and isinstance(x, (int, float)) and not isinstance(x, bool):
+                worst[k] = max(worst.get(k, x), x)
+        if isinstance(v.get("reference_probes"), int):
+            tokens[0] += v.get("reference_mismatches") or 0
+            tokens[1] += v["reference_probes"]
+    return [[suite, "; ".join(checks) or "-",
+             ", ".join(f"{k} {table.fmt(x, '.2g')}" for k, x in sorted(worst.items())) or "-",
+             f"{d} of {n}" if n else "-"]
+            for suite, (checks, worst, (d, n)) in sorted(suites.items())]
 
 
 def _timed(r: dict) -> bool:

@@ -157,3 +157,23 @@ def test_the_profile_session_refuses_a_gpu_profile_without_a_gpu_first(tmp_path,
     assert not out.exists()
     with pytest.raises(SystemExit, match="^the filter 'nomatch' matches no case"):
         bench_profile.main(["nomatch", "--out", str(out)])
+
+
+def test_verification_lists_each_suite_s_checks_and_worst_errors():
+    """The report gave only a count per status: what a verified row was checked against,
+    and how close it came, were in the JSON alone."""
+    ok = {"status": "verified", "error": None}
+    got = report.checked([
+        {"suite": "model", "verification": {**ok, "max_rel_err_vs_eager": 1e-7,
+                                            "checks": ["replay == eager"]}},
+        {"suite": "model", "verification": {**ok, "max_rel_err_vs_eager": 3e-7,
+                                            "checks": ["replay == eager", "merged"]}},
+        {"suite": "model", "verification": {"status": "failed", "error": "x",
+                                            "max_rel_err_vs_eager": 9.0}},
+        {"suite": "dp", "verification": {**ok, "checked": "count", "reference_probes": 8,
+                                         "reference_mismatches": 1}},
+        {"suite": "dp", "verification": {**ok, "checked": "count", "reference_probes": 8,
+                                         "reference_mismatches": 0}},
+    ])
+    assert got == [["dp", "count", "-", "1 of 16"],
+                   ["model", "replay == eager; merged", "max_rel_err_vs_eager 3e-07", "-"]]
