@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.base_reference import F64_CHECK, check_against_f64
 from bench.case import Case
 from bench.context import Context
 from bench.logits_match import assert_logits_match
@@ -102,6 +103,8 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
                 want = runtimes.runner.forward_eager(batch)
             err = assert_logits_match(got, want, dtype, "graph replay vs eager",
                                       case.layers)
+            ref_err = check_against_f64(runtimes.model, kv, reqs, got, dtype,
+                                        f"{case.label}: graph replay")
         except AssertionError as e:
             kv.free([s for r in reqs for s in r.kv_slots])
             return [make_row(case, ctx.profile, {}, verification={"status": "failed",
@@ -116,7 +119,9 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
                    "x_floor": t.median_us / f["roofline_floor_us"]}
         return [make_row(case, ctx.profile, {}, timing=t, derived=derived, verification={
             "status": "verified", "error": None, "replay_vs_eager_err": err,
-            "checks": ["graph replay vs eager forward of the same batch"]})]
+            "max_rel_err_vs_float64": ref_err,
+            "checks": ["graph replay vs eager forward of the same batch",
+                       F64_CHECK]})]
 
     return run
 
