@@ -1,7 +1,9 @@
 """Suite "base_step" of ``python -m bench``: the base model's decode step (no LoRA, CUDA-graph
 replay only) by batch size and context, with the Triton kernels and with the torch reference,
 next to its floors (``bench.step_floor``). Before it is timed, each replay is checked against
-an eager forward of the same batch (failed, and not timed, when they differ)."""
+an eager forward of the same batch and, for three of its requests, against the float64 model
+written from the definition (``bench.reference_checks``): failed, and not timed, when they
+differ."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.base_reference import F64_CHECK, check_against_f64
 from bench.case import Case
 from bench.context import Context
 from bench.logits_match import assert_logits_match
+from bench.reference_checks import DECODE_CHECK, check_decode_rows
 from bench.results import make_row
 from bench.step_floor import StepFloor
 from bench.timing import bench_time
@@ -103,7 +105,7 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
                 want = runtimes.runner.forward_eager(batch)
             err = assert_logits_match(got, want, dtype, "graph replay vs eager",
                                       case.layers)
-            ref_err = check_against_f64(runtimes.model, kv, reqs, got, dtype,
+            ref_err = check_decode_rows(runtimes.model, kv, reqs, got, dtype,
                                         f"{case.label}: graph replay")
         except AssertionError as e:
             kv.free([s for r in reqs for s in r.kv_slots])
@@ -121,7 +123,7 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
             "status": "verified", "error": None, "replay_vs_eager_err": err,
             "max_rel_err_vs_float64": ref_err,
             "checks": ["graph replay vs eager forward of the same batch",
-                       F64_CHECK]})]
+                       DECODE_CHECK]})]
 
     return run
 

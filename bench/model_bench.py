@@ -28,6 +28,7 @@ from bench.context import Context
 from bench.logits_match import assert_logits_match
 from bench.lora_floor import adapter_bytes, floor_us
 from bench.model_runtime import BenchRuntime
+from bench.reference_checks import LORA_CHECK
 from bench.results import make_row
 from bench.timing import bench_interleaved, bench_time, pair_ratio
 from lora_runtime.nvtx import nvtx_range
@@ -178,15 +179,15 @@ def _verify(case: ModelCase, rt: BenchRuntime, batch, reqs) -> dict:
         raise AssertionError(f"{case.label}: replayed the {rt.last_kind} graph, expected {want}")
     if rt.last_kind == "lora":
         rt.check_neutral_past(batch.num_tokens, batch.batch_size)
-    # Graph and eager share the LoRA math (slot images, layouts, backend, kernels): the eager
-    # logits of LoRA traffic against each request alone through the merged weights.
-    merged = {}
+    # Graph and eager share the LoRA math (slot images, layouts, backend, kernels) and the base
+    # model's: the eager logits of LoRA traffic against each request alone in float64.
+    ref = {}
     if rt.lora is not None and batch.has_adapters:
-        merged = rt.check_against_merged(eager, reqs, f"{case.label}: the eager forward")
-    return {"status": "verified", "error": None, "max_rel_err_vs_eager": err, **merged,
+        ref = rt.check_against_float64(eager, reqs, f"{case.label}: the eager forward")
+    return {"status": "verified", "error": None, "max_rel_err_vs_eager": err, **ref,
             "checks": ["replay == eager", "graph kind", "neutral past the batch"
                        if rt.last_kind == "lora" else "no LoRA graph",
-                       *(["eager == merged-weights reference"] if merged else [])]}
+                       *([LORA_CHECK] if ref else [])]}
 
 
 def _derived(case, rt, t, ctx, graph_kind) -> dict:

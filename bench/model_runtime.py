@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.lora_reference import MergedReference
+from bench.reference_checks import check_lora_rows
 from bench.step_floor import matrix_bytes
 from graphs import GraphRunner
 from graphs.runner import BASE, LORA
@@ -91,13 +91,10 @@ class BenchRuntime:
             r.output.append(1)
         return build_decode(reqs, self.kv, self.device), reqs
 
-    def check_against_merged(self, got: torch.Tensor, reqs, what: str) -> dict:
-        """The LoRA runtime's logits of ``reqs`` against each request run alone through a
-        plain copy of the model with its adapter merged (``bench.lora_reference``). The copy
-        is dropped after the check: cached runtimes would otherwise each hold a second model
-        (16 GB at the 32-layer 8B shapes)."""
-        return MergedReference(self.model, self.adapters).check(got, reqs, self.model_dtype,
-                                                                what)
+    def check_against_float64(self, got: torch.Tensor, reqs, what: str) -> dict:
+        """The LoRA runtime's logits of ``reqs`` against each request run alone through the
+        float64 model with its adapter (``bench.reference_checks.check_lora_rows``)."""
+        return check_lora_rows(self.model, self.adapters, got, reqs, self.model_dtype, what)
 
     @property
     def model_dtype(self) -> torch.dtype:

@@ -1,8 +1,8 @@
 """The model suite's verification must see a LoRA fault that graph and eager share: a runtime
 whose slots hold a scaling 2% off, or no o_proj term, or no v slice of qkv, still replays
 what its eager forward computes, so "replay == eager" passed it as verified (and timed it).
-The eager logits are now also checked against each request run alone through the merged
-weights (``bench.lora_reference``)."""
+The eager logits are now also checked against each request run alone through the float64
+model written from the definition, with its adapter (``bench.reference_checks``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from bench.context import Context
 from bench.hardware import Ceilings
 from bench.model_bench import ModelCase, RuntimeCache, run_case
+from bench.reference_checks import LORA_CHECK
 from lora_runtime.lora.slot_image import SlotImage
 from lora_runtime.model.modules import SLICES
 
@@ -54,15 +55,15 @@ def test_a_lora_fault_shared_by_graph_and_eager_fails_the_case(monkeypatch, case
     rows = run_case(case, CTX, RuntimeCache([case], CPU))
     assert len(rows) == 1, [r["verification"] for r in rows]
     v = rows[0]["verification"]
-    assert v["status"] == "failed" and "merged-weights reference" in v["error"]
+    assert v["status"] == "failed" and "float64 model with its adapter" in v["error"]
     assert rows[0]["stats"] is None
 
 
-def test_a_correct_runtime_passes_the_merged_reference():
+def test_a_correct_runtime_passes_the_float64_reference():
     rows = run_case(CASE, CTX, RuntimeCache([CASE], CPU))
     lora = [r for r in rows if r["traffic"] == "lora"]
     assert lora and all(r["verification"]["status"] == "verified" for r in rows)
     v = lora[0]["verification"]
-    assert v["max_rel_err_lora_term_vs_merged"] < 1e-4
+    assert v["max_rel_err_lora_term_vs_float64"] < 1e-4
     assert v["lora_term_rel_size"] > 1e-3  # the term is there to be checked
-    assert "eager == merged-weights reference" in v["checks"]
+    assert LORA_CHECK in v["checks"]

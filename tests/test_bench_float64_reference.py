@@ -1,7 +1,7 @@
 """The base-step suite verified a replay against the eager forward of the same runtime, so a
 fault in the base math both share (an RMSNorm eps, a RoPE base, a cache slot read for another
 request) was verified and timed. Its rows are now also checked against a float64 decode step
-written from the definition (``bench.base_reference``)."""
+written from the definition (``bench.float64_model``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import dataclasses
 
 import pytest
 import torch
+from runtime_helpers import drawn_adapter, make_runtime
 
 from bench import base_step_suite
-from bench.base_reference import check_against_f64, decode_logits_f64
 from bench.context import Context
+from bench.float64_model import Probe, last_logits_f64
 from bench.hardware import Ceilings
+from bench.reference_checks import check_decode_rows
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request, build_decode
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model import layers
 from lora_runtime.model.backend import use_base_backend
 from lora_runtime.model.config import PRESETS
@@ -55,10 +57,11 @@ def _decode(context_lengths, wrong_slot: bool = False):
 
 def test_the_float64_step_equals_the_runtime():
     model, kv, reqs, got = _decode([5, 40, 64])
-    ref = decode_logits_f64(model, kv, reqs)
+    ref = last_logits_f64(model, [Probe((r.last_token,), tuple(r.kv_slots[:-1])) for r in reqs],
+                          kv)
     err = ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert err < 1e-5
-    assert check_against_f64(model, kv, reqs, got, torch.float32, "x") < 1e-5
+    assert check_decode_rows(model, kv, reqs, got, torch.float32, "x") < 1e-5
 
 
 @pytest.mark.parametrize("fault", ["eps", "theta", "slot"])
@@ -78,7 +81,7 @@ def test_a_shared_base_fault_fails(monkeypatch, fault):
         monkeypatch.setattr(layers, "inverse_frequencies", _theta_doubled)
     model, kv, reqs, got = _decode([5, 40, 64], wrong_slot=fault == "slot")
     with pytest.raises(AssertionError, match="float64 decode step"):
-        check_against_f64(model, kv, reqs, got, torch.float32, "x")
+        check_decode_rows(model, kv, reqs, got, torch.float32, "x")
 
 
 def _theta_doubled(cfg):
@@ -95,3 +98,24 @@ def test_the_suite_records_the_float64_error(monkeypatch):
     row = base_step_suite.make_runner([case], CTX)(case)[0]
     assert row["verification"]["status"] == "failed"
     assert "float64 decode step" in row["verification"]["error"] and row["stats"] is None
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_float64_model_with_adapters_equals_the_runtime(tied):
+    """Every target (embed_tokens and lm_head included), drawn ranks, alphas and rsLoRA, a
+    base request among them: one prefill batch of the runtime against each request alone."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
+    runner = make_runtime(config, dtype=torch.float32, device=CPU, seed=5)
+    adapters = {f"a{i}": drawn_adapter(config, f"a{i}", 11 + i, 8) for i in range(3)}
+    for name, a in adapters.items():
+        runner.lora.load_adapter(name, a)
+    g = torch.Generator().manual_seed(2)
+    reqs = [Request(torch.randint(0, config.vocab_size, (n,), generator=g).tolist(), name, 1)
+            for n, name in ((7, "a0"), (3, None), (12, "a1"), (5, "a2"), (9, "a0"))]
+    got = runner.forward_eager(build_extend(reqs, runner.kv, CPU))
+    release(reqs, runner.kv)
+    ref = last_logits_f64(runner.model, [Probe(tuple(r.prompt), (), adapters.get(r.adapter))
+                                         for r in reqs])
+    err = ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert err < 1e-5
+    assert {t for a in adapters.values() for t in a.targets} >= {"embed_tokens", "lm_head"}
