@@ -29,9 +29,12 @@ HF = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type"
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
     ({"rope_theta": 0}, "rope_theta must be a positive"),
     ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive"),
-    ({"head_dim": -8}, "head_dim must be positive"),
-    ({"head_dim": 0}, "head_dim must be positive"),  # 0 was taken as null (derived)
-    ({"num_key_value_heads": 0}, "num_kv_heads must be positive"),  # 0 was taken as null
+    ({"head_dim": -8}, "head_dim must be a positive"),
+    ({"head_dim": 0}, "head_dim must be a positive"),  # 0 was taken as null (derived)
+    ({"num_key_value_heads": 0}, "num_kv_heads must be a positive"),  # 0 was taken as null
+    ({"head_dim": True}, "head_dim must be a positive integer"),  # passed as head_dim 1
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer"),  # a TypeError
+    ({"num_attention_heads": 4.0}, "num_heads must be a positive integer"),
 ])
 def test_a_config_the_model_cannot_serve_is_refused(extra, says):
     with pytest.raises(ValueError, match=says):

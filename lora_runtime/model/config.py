@@ -36,8 +36,12 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        if not _is_int(self.head_dim) or self.head_dim < 0:
+            raise ValueError(f"LlamaConfig.head_dim must be a positive integer (0: hidden_size / "
+                             f"num_heads), got {self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
@@ -122,10 +126,15 @@ def _hf_head_dim(value) -> int:
     not pass through)."""
     if value is None:
         return 0
-    if not value > 0:
-        raise ValueError(f"head_dim must be positive and even for rotary embeddings, got "
-                         f"{value!r} (null derives it from hidden_size / num_attention_heads)")
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"head_dim must be a positive integer, even for rotary embeddings, "
+                         f"got {value!r} (null derives it from hidden_size / "
+                         "num_attention_heads)")
     return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _given(*values):
