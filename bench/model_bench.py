@@ -161,7 +161,7 @@ def _prime(case: ModelCase, rt: BenchRuntime) -> None:
     of its shape in the runtime, and nothing stale can be read)."""
     if rt.lora is None or len(rt.names) < 2:
         return
-    batch, reqs = rt.batch(case.batch_size, "lora", shift=1)
+    batch, reqs = rt.batch(case.batch_size, "lora", shift=1, prefilled=False)
     try:
         rt.step(batch)
     finally:

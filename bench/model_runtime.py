@@ -71,11 +71,14 @@ class BenchRuntime:
         return {"capture_seconds": s.total_capture_seconds, "graph_memory_bytes": s.memory_bytes,
                 "graphs": len(self.graphs.graphs), "buckets": list(self.graphs.buffers.buckets)}
 
-    def batch(self, batch_size: int, traffic: str, seed: int | None = None, shift: int = 0):
+    def batch(self, batch_size: int, traffic: str, seed: int | None = None, shift: int = 0,
+              prefilled: bool = True):
         """Requests of ``context`` prompt tokens, ``traffic == "lora"`` spreading them
         round-robin over the adapters. Prefill: their prompts. Decode: one new token each,
         the prompts already in the cache. Returns the batch and the requests. ``seed``: the
-        same prompts in every runtime. ``shift``: request i gets adapter ``i + shift``."""
+        same prompts in every runtime. ``shift``: request i gets adapter ``i + shift``.
+        ``prefilled=False`` (decode): the prompts' slots are taken but not written (a batch
+        whose logits nobody reads, only its layout)."""
         names = self.names if traffic == "lora" else [None]
         g = None if seed is None else torch.Generator().manual_seed(seed)
         reqs = [Request(torch.randint(0, self.config.vocab_size, (self.context,),
@@ -86,8 +89,12 @@ class BenchRuntime:
             return build_extend(reqs, self.kv, self.device), reqs
         group = max(1, PREFILL_TOKENS // self.context)
         for i in range(0, batch_size, group):
-            self.runner.forward_eager(build_extend(reqs[i : i + group], self.kv, self.device))
+            if prefilled:
+                self.runner.forward_eager(build_extend(reqs[i : i + group], self.kv,
+                                                       self.device))
         for r in reqs:
+            if not prefilled:
+                r.kv_slots = self.kv.alloc(len(r.prompt))
             r.output.append(1)
         return build_decode(reqs, self.kv, self.device), reqs
 
