@@ -57,6 +57,19 @@ def decode_batch(kv: KVCache, bs: int, context: int, device):
     return reqs, build_decode(reqs, kv, device)
 
 
+def ragged_batch(kv: KVCache, bs: int, context: int, vocab: int, device):
+    """A verification batch of the bucket ``bs`` that the timed one is not: contexts from
+    ``context`` down to ``context // bs`` (unequal: padded attention tables, other
+    positions) and last tokens spread down from the highest id (the timed batch has one
+    context length and token 1 everywhere)."""
+    lens = [max(2, context - i * (context // bs)) for i in range(bs)]
+    reqs = [Request([1] * (n - 1) + [vocab - 1 - (i * vocab) // bs], None, 4)
+            for i, n in enumerate(lens)]
+    for r in reqs:
+        r.kv_slots = kv.alloc(len(r.prompt) - 1)
+    return reqs, build_decode(reqs, kv, device)
+
+
 class _Runtimes:
     """One model, KV cache and set of decode graphs per (preset, layers, dtype), reused by the
     cases that share them; graphs per (context, kernels) capture every selected batch size."""
@@ -98,6 +111,21 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
     def run(case: BaseStepCase) -> list[dict]:
         graphs = runtimes.get(case)
         kv, dtype = runtimes.kv, getattr(torch, case.dtype)
+        reqs, batch = ragged_batch(kv, case.batch_size, case.context,
+                                   runtimes.model.config.vocab_size, ctx.device)
+        try:  # not timed: verified like the timed batch below
+            got = graphs.replay(batch).clone()
+            with use_base_backend(case.kernels):
+                want = runtimes.runner.forward_eager(batch)
+            assert_logits_match(got, want, dtype, "ragged batch: graph replay vs eager",
+                                case.layers)
+            ragged_err = check_decode_rows(runtimes.model, kv, reqs, got, dtype,
+                                           f"{case.label}: graph replay of a ragged batch")
+        except AssertionError as e:
+            return [make_row(case, ctx.profile, {}, verification={"status": "failed",
+                                                                  "error": str(e)})]
+        finally:
+            kv.free([s for r in reqs for s in r.kv_slots])
         reqs, batch = decode_batch(kv, case.batch_size, case.context, ctx.device)
         try:
             got = graphs.replay(batch).clone()
@@ -121,9 +149,10 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
                    "x_floor": t.median_us / f["roofline_floor_us"]}
         return [make_row(case, ctx.profile, {}, timing=t, derived=derived, verification={
             "status": "verified", "error": None, "replay_vs_eager_err": err,
-            "max_rel_err_vs_float64": ref_err,
+            "max_rel_err_vs_float64": ref_err, "ragged_max_rel_err_vs_float64": ragged_err,
             "checks": ["graph replay vs eager forward of the same batch",
-                       DECODE_CHECK]})]
+                       DECODE_CHECK, f"a ragged batch (unequal contexts, high token ids): "
+                       f"replay == eager, {DECODE_CHECK}"]})]
 
     return run
 

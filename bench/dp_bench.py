@@ -122,6 +122,7 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     passes = []  # per timed pass: (wall, its steps, its output tokens on this rank)
     untimed = {}  # workload index -> this rank's request of the untimed pass
     for timed in (False, *([True] * TIMED_PASSES)):
+        eng.keep_logits = not timed  # the untimed pass's rows, for the reference; not timed
         ctrl = DPController(size, policy, share)
         for i, w in enumerate(make_workload(spec, config.vocab_size)):  # warm-up serves it too
             if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
@@ -185,11 +186,15 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     mine = [None] * size
     torch.distributed.all_gather_object(mine, {i: list(q.output) for i, q in untimed.items()},
                                         group=dp.cpu_group)
+    # And the logits rows at the probed tokens (a token shows only a fault that flips it).
+    rows = [None] * size
+    torch.distributed.all_gather_object(rows, _probe_rows(eng, untimed), group=dp.cpu_group)
+    eng.logits.clear()
     if rank == 0 and verification["status"] == "verified":
         # Rank 0 alone: raising here would leave the other ranks in the next case's collectives.
         try:
             verification = _verify_reference(config, dtype, device, adapters, r, spec, mine,
-                                             verification)
+                                             verification, rows)
         except Exception as e:  # noqa: BLE001 - any failure of the check fails the case
             verification = {"status": "failed",
                             "error": f"the token reference raised {type(e).__name__}: {e}"}
@@ -204,8 +209,20 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     return row
 
 
+def _probe_rows(eng, untimed: dict) -> dict:
+    """workload index -> {output position: the engine's logits row there} at the positions
+    ``token_reference`` probes (first and last output token of this rank's first
+    ``REQUESTS`` requests), on the host."""
+    out = {}
+    for i in sorted(untimed)[:REQUESTS]:
+        kept = eng.logits.get(untimed[i].id, [])
+        if kept:
+            out[i] = {k: kept[k].float().cpu() for k in {0, len(kept) - 1}}
+    return out
+
+
 def _verify_reference(config, dtype, device, adapters, r, spec, parts,
-                      verification: dict) -> dict:
+                      verification: dict, rows=None) -> dict:
     """``parts`` (per rank: workload index -> that rank's tokens; or one such dict) against
     ``token_reference`` on an unsharded model with the same weights (seed 0) and adapters:
     the first ``REQUESTS`` requests of *each* rank, judged rank by rank (under a skewed load
@@ -225,15 +242,23 @@ def _verify_reference(config, dtype, device, adapters, r, spec, parts,
              "eager forward outside the engine")
     done = {**verification, "checks": [verification["checked"]]}
     probes = mismatches = 0
+    worst, checks = 0.0, [check]
     for rank, part in enumerate(parts):
-        v = judge(token_reference(model, lora, workload, outs, tie, sorted(part)[:REQUESTS]),
-                  model, tie, done, check)
+        kept = None if rows is None else {i: {k: t.to(device) for k, t in ks.items()}
+                                          for i, ks in rows[rank].items()}
+        found = token_reference(model, lora, workload, outs, tie, sorted(part)[:REQUESTS],
+                                engine_logits=kept)
+        v = judge(found, model, tie, done, check,
+                  row_errors=None if kept is None else kept.get("row_errors", []))
         if v["status"] != "verified":
             return {**v, "error": f"rank {rank}'s requests: {v['error']}"}
         probes += v["reference_probes"]
         mismatches += v["reference_mismatches"]
-    return {**done, "reference_probes": probes, "reference_mismatches": mismatches,
-            "checks": [*done["checks"], check]}
+        worst = max(worst, v.get("max_rel_err_logits_vs_eager", 0.0))
+        checks = v["checks"][len(done["checks"]):]
+    extra = {} if rows is None else {"max_rel_err_logits_vs_eager": worst}
+    return {**done, "reference_probes": probes, "reference_mismatches": mismatches, **extra,
+            "checks": [*done["checks"], *checks]}
 
 
 def _idle_share(steps) -> float:

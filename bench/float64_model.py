@@ -2,9 +2,10 @@
 frequency scaling, causal grouped-query attention, SwiGLU, LoRA as ``s * B @ A`` beside each
 weight), for a few requests: the benchmarks' independent reference.
 
-It shares nothing with the runtime's forward but the weights, the host adapters and, for a
-request with a cached context, the K/V the cache holds at its slots (the base-step suite fills
-the cache with noise, not with a prompt's K/V): a fault that graph and eager share (an RMSNorm
+It shares nothing with the runtime's forward but the config (every constant is read from it,
+not from the runtime's modules), the weights, the host adapters and, for a request with a
+cached context, the K/V the cache holds at its slots (the base-step suite fills the cache
+with noise, not with a prompt's K/V): a fault that graph and eager share (an RMSNorm
 eps, a RoPE base, a scaling, a fused slice dropped, a cache slot read for another request)
 shows here, where "replay == eager" cannot see it. Weights are cast to float64 a block of
 rows at a time, so no float64 (or second) copy of the model is ever held: the 32-layer 8B
@@ -59,7 +60,7 @@ def last_logits_f64(model, probes: list[Probe], kv=None) -> torch.Tensor:
     h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     for i, layer in enumerate(m.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        h = _rms(x, layer.input_layernorm)
+        h = _rms(x, layer.input_layernorm, cfg.rms_norm_eps)
         q, k, v = _linear(h, attn.qkv_proj, _terms(cfg, probes, rows, i, "qkv_proj")).split(
             [h_q * d, h_kv * d, h_kv * d], dim=-1)
         q = _rotate(q.reshape(-1, h_q, d), cos, sin)
@@ -70,14 +71,14 @@ def last_logits_f64(model, probes: list[Probe], kv=None) -> torch.Tensor:
                          for r, p in zip(rows, probes, strict=True)])
         x = x + _linear(out.reshape(-1, h_q * d), attn.o_proj,
                         _terms(cfg, probes, rows, i, "o_proj"))
-        h = _rms(x, layer.post_attention_layernorm)
+        h = _rms(x, layer.post_attention_layernorm, cfg.rms_norm_eps)
         gate, up = _linear(h, mlp.gate_up_proj, _terms(cfg, probes, rows, i, "gate_up_proj")
                            ).chunk(2, dim=-1)
         x = x + _linear(torch.nn.functional.silu(gate) * up, mlp.down_proj,
                         _terms(cfg, probes, rows, i, "down_proj"))
     last = torch.tensor([b - 1 for b in bounds[1:]], device=device)
     one_each = [slice(j, j + 1) for j in range(len(probes))]
-    return _linear(_rms(x[last], m.norm), model.lm_head,
+    return _linear(_rms(x[last], m.norm, cfg.rms_norm_eps), model.lm_head,
                    _terms(cfg, probes, one_each, None, "lm_head"))
 
 
@@ -108,8 +109,10 @@ def _linear(x: torch.Tensor, module, terms=()) -> torch.Tensor:
     return y
 
 
-def _rms(x: torch.Tensor, norm) -> torch.Tensor:
-    return norm.weight.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
+    """``eps`` from the config, not the runtime's module (``norm.eps``): an eps stored wrong
+    when the runtime builds its norms would otherwise be shared by the reference."""
+    return norm.weight.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _rotary(cfg, positions: list[int], device):

@@ -180,14 +180,14 @@ def _verify(case: ModelCase, rt: BenchRuntime, batch, reqs) -> dict:
     if rt.last_kind == "lora":
         rt.check_neutral_past(batch.num_tokens, batch.batch_size)
     # Graph and eager share the LoRA math (slot images, layouts, backend, kernels) and the base
-    # model's: the eager logits of LoRA traffic against each request alone in float64.
-    ref = {}
-    if rt.lora is not None and batch.has_adapters:
-        ref = rt.check_against_float64(eager, reqs, f"{case.label}: the eager forward")
+    # model's: the eager logits of every traffic (base traffic and the runtime without LoRA
+    # too: the base step suite's batches hold one token id and one context length) against
+    # each request alone in float64.
+    ref = rt.check_against_float64(eager, reqs, f"{case.label}: the eager forward")
     return {"status": "verified", "error": None, "max_rel_err_vs_eager": err, **ref,
             "checks": ["replay == eager", "graph kind", "neutral past the batch"
                        if rt.last_kind == "lora" else "no LoRA graph",
-                       *([LORA_CHECK] if ref else [])]}
+                       LORA_CHECK]}
 
 
 def _derived(case, rt, t, ctx, graph_kind) -> dict:

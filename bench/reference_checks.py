@@ -25,17 +25,24 @@ scaling 2% off measured 2e-2. In bf16 the runtime's own rounding is a large shar
 term, so there it is recorded (``max_rel_err_lora_term_vs_float64``), not judged: on a CPU
 a correct bf16 runtime measured 0.015, a scaling 2% off 0.028 (4 layers, hidden 1024)."""
 LORA_REQUESTS = 4
-"""LoRA rows checked per batch: the first of each distinct adapter up to this many, and the
-last request of the batch."""
-DECODE_CHECK = "first, middle and last request == a float64 decode step from the definition"
+"""In a batch of more than ``ALL_ROWS`` requests, the LoRA rows checked include the first of
+each distinct adapter up to this many, and the last request of the batch."""
+ALL_ROWS = 8
+"""Batches of up to this many requests have every row checked; a larger one this many rows
+(the first, middle and last, the LoRA picks above, the rest spread evenly). With three picked
+rows, a fault confined to a request between them (positions off for the third request of 4)
+was verified on the CPU profile, whose batches hold 1-4 requests."""
+DECODE_CHECK = (f"every request (over {ALL_ROWS}: {ALL_ROWS} spread) == a float64 decode "
+                "step from the definition")
 LORA_CHECK = "eager == each request alone through a float64 model with its adapter"
 
 
 def check_decode_rows(model, kv, requests, got: torch.Tensor, dtype, what: str) -> float:
-    """Rows of ``got`` (the runtime's logits of the decode step of ``requests``) for the
-    first, a middle and the last request against the float64 model reading their cached
-    context; raises ``AssertionError`` past ``ROW_TOL``. Returns the worst row's error."""
-    picks = sorted({0, len(requests) // 2, len(requests) - 1})
+    """Rows of ``got`` (the runtime's logits of the decode step of ``requests``; every row up
+    to ``ALL_ROWS``, else the first, middle, last and rows between) against the float64 model
+    reading their cached context; raises ``AssertionError`` past ``ROW_TOL``. Returns the
+    worst row's error."""
+    picks = _spread(len(requests), {0, len(requests) // 2, len(requests) - 1})
     probes = [Probe((requests[i].last_token,), tuple(requests[i].kv_slots[:-1]))
               for i in picks]
     err = _row_errors(got[picks], last_logits_f64(model, probes, kv))
@@ -52,12 +59,14 @@ def check_lora_rows(model, adapters: dict, got: torch.Tensor, requests, dtype,
     tokens = [tuple(requests[i].prompt) + tuple(requests[i].output) for i in picks]
     ref = last_logits_f64(model, [Probe(t, (), adapters.get(requests[i].adapter))
                                   for t, i in zip(tokens, picks, strict=True)])
-    base = last_logits_f64(model, [Probe(t) for t in tokens])
+    lora = [j for j, i in enumerate(picks) if requests[i].adapter is not None]
+    base = ref.clone()  # the LoRA rows' base logits: a second forward for those rows only
+    if lora:
+        base[lora] = last_logits_f64(model, [Probe(tokens[j]) for j in lora])
     rows = got[picks].double()
     err = _row_errors(rows, ref)
     _judge(err, picks, ROW_TOL[dtype], what, "a float64 model with its adapter")
     term = (ref - base).norm(dim=-1)
-    lora = [j for j, i in enumerate(picks) if requests[i].adapter is not None]
     term_err = [((rows[j] - ref[j]).norm() / term[j].clamp_min(1e-30)).item() for j in lora]
     if dtype == torch.float32:
         _judge(term_err, [picks[j] for j in lora], TERM_TOL_FP32, what,
@@ -69,11 +78,27 @@ def check_lora_rows(model, adapters: dict, got: torch.Tensor, requests, dtype,
 
 
 def _lora_picks(names) -> list[int]:
+    if not names:
+        return []
     first: dict = {}
     for i, n in enumerate(names):
         first.setdefault(n, i)
     rows = sorted(first.values())[:LORA_REQUESTS]
-    return sorted({*rows, len(names) - 1}) if names else []
+    return _spread(len(names), {*rows, len(names) // 2, len(names) - 1})
+
+
+def _spread(n: int, must: set[int]) -> list[int]:
+    """Every row of ``n`` if ``n <= ALL_ROWS``, else ``must`` and rows spread evenly up to
+    ``ALL_ROWS`` in all."""
+    if n <= ALL_ROWS:
+        return list(range(n))
+    rows = set(must)
+    spread = [round(j * (n - 1) / (ALL_ROWS - 1)) for j in range(ALL_ROWS)]
+    for i in [*spread, *range(n)]:
+        if len(rows) >= ALL_ROWS:
+            break
+        rows.add(i)
+    return sorted(rows)
 
 
 def _row_errors(got: torch.Tensor, ref: torch.Tensor) -> list[float]:

@@ -97,10 +97,14 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
     verification = _verify(main.passes, workload, main.margins, tie)
     if verification["status"] == "verified":
         verification = _verify_reference(main, workload, verification, tie)
+    if verification["status"] == "verified":
+        verification = _verify_ragged(main, workload, verification, tie)
     if base is not None and verification["status"] == "verified":
         check = _verify(base.passes, base_workload, base.margins, tie)
         if check["status"] == "verified":
             check = _verify_reference(base, base_workload, check, tie)
+        if check["status"] == "verified":
+            check = _verify_ragged(base, base_workload, check, tie)
         if check["status"] != "verified":
             verification = {**check, "error": f"interleaved base runtime: {check['error']}"}
     if verification["status"] == "failed":  # not timed as if good: no stats, no figures
@@ -191,6 +195,7 @@ class _Runtime:
         self.slot_write_ms = None if lora is None else _slot_write_ms(lora, device)
         self.passes: list[list[list[int]]] = []
         self.margins: dict[int, list[float]] = {}
+        self.logits: dict = {}  # the untimed pass's logits rows, by workload index
         self.runs: list[tuple] = []
 
     def untimed_pass(self, workload) -> None:
@@ -200,6 +205,7 @@ class _Runtime:
         self.margins = {i: [float(t[0] - t[1]) for t in
                             (row.float().topk(2).values for row in engine.logits[r.id])]
                         for i, r in enumerate(reqs)}
+        self.logits = {i: engine.logits[r.id] for i, r in enumerate(reqs)}
         self.passes.append([list(r.output) for r in reqs])
 
     def timed_pass(self, workload) -> None:
@@ -291,11 +297,50 @@ def _verify(passes, workload, margins, tie: float) -> dict:
                        f"timed pass tokens == warm-up's up to a near-tie (margin <= {tie})"]}
 
 
+RAGGED_CHECK = ("the workload made ragged, untimed (request i: prompt and output shortened by "
+                "i modulo half the prompt, and by i modulo the output): tokens and logits rows "
+                "== an eager forward outside the engine")
+
+
+def _ragged(workload) -> list:
+    """``workload`` with staggered lengths: requests finish one by one, so decode batches
+    shrink through sizes between graph buckets (padded replays) and mix context lengths."""
+    out = []
+    for i, w in enumerate(workload):
+        p, o = len(w.prompt), w.max_new_tokens
+        out.append(dataclasses.replace(w, prompt=list(w.prompt[: p - i % max(1, p // 2)]),
+                                       max_new_tokens=o - i % o))
+    return out
+
+
+def _verify_ragged(rt: _Runtime, workload, verification: dict, tie: float) -> dict:
+    """The case's workload has one prompt and one output length: every decode batch holds
+    requests of one context length and fills its graph bucket, so a fault in padded replays
+    (padding rows writing a request's cache slot) or in masking unequal contexts is never
+    run. An untimed pass of the same runtime over the workload made ragged (``_ragged``) is
+    checked like the untimed pass (``token_reference`` with the logits rows)."""
+    workload = _ragged(workload)
+    engine = Engine(rt.runner, rt.sched, rt.graphs, keep_logits=True, overlap=OVERLAP)
+    reqs = serve(engine, workload)
+    rows = {i: engine.logits[r.id] for i, r in enumerate(reqs)}
+    found = token_reference(rt.runner.model, rt.lora, workload, [list(r.output) for r in reqs],
+                            tie, engine_logits=rows)
+    v = judge(found, rt.runner.model, tie, verification, RAGGED_CHECK,
+              row_errors=rows.get("row_errors", []))
+    if v["status"] != "verified":
+        return {**v, "error": f"ragged workload: {v['error']}"}
+    return {**verification, "checks": v["checks"],
+            "ragged_max_rel_err_logits_vs_eager": v.get("max_rel_err_logits_vs_eager")}
+
+
 def _verify_reference(rt: _Runtime, workload, verification: dict, tie: float) -> dict:
     """The untimed pass's tokens (which every timed pass repeats) against an eager forward
     outside the engine (``bench.token_reference``)."""
-    return judge(token_reference(rt.runner.model, rt.lora, workload, rt.passes[0], tie),
-                 rt.runner.model, tie, verification)
+    rows = dict(rt.logits)
+    found = token_reference(rt.runner.model, rt.lora, workload, rt.passes[0], tie,
+                            engine_logits=rows)
+    return judge(found, rt.runner.model, tie, verification,
+                 row_errors=rows.get("row_errors", []))
 
 
 def _q(xs: list[float], q: float) -> float:

@@ -30,6 +30,14 @@ bf16 paths can flip a token past 0.1 on an ill-conditioned row (seen on the H200
 64-128 adapters); a structural fault moves most probes. fp32 allows none."""
 CHECK = (f"first and last tokens of the first {REQUESTS} requests == an eager forward outside "
          "the engine")
+ROW_TOL_FP32 = 1e-4
+"""fp32: the relative error of the engine's logits row at a probe (``Engine(keep_logits=True)``)
+against the reference's. A token can only show a fault that moves a top-2 margin past the near
+tie: padding rows writing their K/V into a request's slot, or one request decoding a position
+off, were verified with every probed token right. A correct engine measured ~1e-6 on the CPU
+profile. bf16/fp16: recorded (``max_rel_err_logits_vs_eager``), not judged (unmeasured on a
+GPU)."""
+LOGITS_CHECK = f"logits rows at those tokens == the eager forward's (fp32: {ROW_TOL_FP32})"
 
 
 def near_tie(dtype: str) -> float:
@@ -37,7 +45,7 @@ def near_tie(dtype: str) -> float:
 
 
 def token_reference(model, lora, workload, outs, tie: float,
-                    indices=None) -> tuple[list, int]:
+                    indices=None, engine_logits=None) -> tuple[list, int]:
     """For each of the first ``REQUESTS`` requests, its prompt and the tokens before its first
     and last output token, prefilled by an eager forward of ``model`` (with ``lora``): the
     greedy token there must be the one the engine gave that request (``outs[i]``), except
@@ -46,7 +54,9 @@ def token_reference(model, lora, workload, outs, tie: float,
     step's tokens to requests are not on this path.
     ``indices``: the requests to probe instead of the first ``REQUESTS`` (DP: some of every
     rank's). Returns the mismatches (request, token, reference token, engine token) and the
-    probes."""
+    probes. ``engine_logits`` (request -> the engine's logits row at each output token):
+    also fills ``engine_logits["row_errors"]`` with (request, token, relative error of the
+    engine's row against the reference's) per probe."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     probes = []  # (request, position in its output)
@@ -63,6 +73,10 @@ def token_reference(model, lora, workload, outs, tie: float,
                 build_extend(reqs, kv, device)).float()
             best = logits.max(dim=-1)
             for row, (i, k) in enumerate(chunk):
+                if engine_logits is not None:
+                    eng, ref = engine_logits[i][k].float(), logits[row]
+                    engine_logits.setdefault("row_errors", []).append(
+                        (i, k, float((eng - ref).norm() / ref.norm().clamp_min(1e-30))))
                 # The engine's token must itself be within ``tie`` of the reference's best: a
                 # near-tie between the reference's top two excuses those two tokens, not any.
                 tok, top = outs[i][k], int(best.indices[row])
@@ -78,8 +92,9 @@ def token_reference(model, lora, workload, outs, tie: float,
 
 
 def judge(found: tuple[list, int], model, tie: float, verification: dict,
-          check: str = CHECK) -> dict:
-    """``verification`` with the reference's outcome (``found``: ``token_reference``'s)."""
+          check: str = CHECK, row_errors=None) -> dict:
+    """``verification`` with the reference's outcome (``found``: ``token_reference``'s;
+    ``row_errors``: its ``engine_logits["row_errors"]``, if it was given the engine's rows)."""
     bad, probes = found
     fp32 = next(model.parameters()).dtype == torch.float32
     allowed = 0 if fp32 else int(probes * SHARE_BF16)
@@ -89,8 +104,20 @@ def judge(found: tuple[list, int], model, tie: float, verification: dict,
                          f"{len(bad)} of {probes} tokens differ from an eager forward of the "
                          f"request's prompt and earlier tokens where the top-2 margin exceeds "
                          f"{tie} (at most {allowed} may)"}
+    extra, checks = {}, [check]
+    if row_errors is not None:
+        far = [(i, k, round(e, 6)) for i, k, e in row_errors if not e <= ROW_TOL_FP32]
+        if fp32 and far:
+            return {"status": "failed",
+                    "error": f"(request, token, relative error) {far[:5]}: {len(far)} of "
+                             f"{len(row_errors)} of the engine's logits rows differ from an "
+                             f"eager forward of the request's prompt and earlier tokens by "
+                             f"more than {ROW_TOL_FP32}"}
+        extra = {"max_rel_err_logits_vs_eager": max((e for *_, e in row_errors), default=0.0)}
+        if fp32:
+            checks.append(LOGITS_CHECK)
     return {**verification, "reference_probes": probes, "reference_mismatches": len(bad),
-            "checks": [*verification.get("checks", []), check]}
+            **extra, "checks": [*verification.get("checks", []), *checks]}
 
 
 def _chunks(probes, workload, lora) -> list[list]:
