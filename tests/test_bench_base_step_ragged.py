@@ -8,24 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_faults import mask_by_longest
 
 from bench import base_step_suite
 from bench.context import Context
 from bench.hardware import Ceilings
-from lora_runtime.model import attention_ops
 
 CPU = torch.device("cpu")
 CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=1, profile="cpu")
-
-
-def _mask_by_longest(monkeypatch):
-    real = attention_ops.decode_attention_reference
-
-    def masked(q, k_cache, v_cache, meta, scale):
-        longest = meta.kv_lens.max().expand_as(meta.kv_lens)
-        return real(q, k_cache, v_cache, type(meta)(meta.kv_indices, longest), scale)
-
-    monkeypatch.setattr(attention_ops, "decode_attention_reference", masked)
 
 
 def _high_ids_off(monkeypatch):
@@ -40,7 +30,7 @@ def _high_ids_off(monkeypatch):
 @pytest.mark.parametrize("fault", [None, "mask-by-longest", "high-ids-off"])
 def test_base_step_verifies_a_ragged_batch(monkeypatch, fault):
     if fault == "mask-by-longest":
-        _mask_by_longest(monkeypatch)
+        mask_by_longest(monkeypatch)
     elif fault == "high-ids-off":
         _high_ids_off(monkeypatch)
     case = base_step_suite.cases("tiny", 1, "float32", (3,), (16,), ("torch",))[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_faults import third_request_one_position_off
 
 import bench.token_reference as token_reference
 import lora_runtime.engine.engine as engine_module
@@ -29,15 +30,7 @@ BASE = throughput_bench.cases("tiny", 1, "float32", 8, 3, 4, [(0, "-")], 4)[0]
 @pytest.mark.parametrize("fault", [False, True], ids=["correct", "third-request-off"])
 def test_throughput_judges_the_logits_rows(monkeypatch, fault):
     if fault:
-        real = engine_module.build_decode
-
-        def build(reqs, kv, device, *a, **k):
-            batch = real(reqs, kv, device, *a, **k)
-            if batch.batch_size >= 4:
-                batch.positions[2] += 1
-            return batch
-
-        monkeypatch.setattr(engine_module, "build_decode", build)
+        third_request_one_position_off(monkeypatch, engine_module)
     monkeypatch.setattr(throughput_bench, "TIMED_PASSES", 1)
     v = throughput_bench.run_case(BASE, CTX)["verification"]
     if fault:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_faults import third_request_one_position_off
 
 import bench.model_runtime as model_runtime
 from bench.context import Context
@@ -19,23 +20,11 @@ CPU = torch.device("cpu")
 CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=1, profile="cpu")
 
 
-def _third_request_one_position_off(monkeypatch):
-    real = model_runtime.build_decode
-
-    def build(reqs, kv, device, *a, **k):
-        batch = real(reqs, kv, device, *a, **k)
-        if batch.batch_size >= 4:
-            batch.positions[2] += 1
-        return batch
-
-    monkeypatch.setattr(model_runtime, "build_decode", build)
-
-
 @pytest.mark.parametrize("adapters", [0, 2], ids=["no-lora", "lora"])
 @pytest.mark.parametrize("fault", [False, True], ids=["correct", "third-request-off"])
 def test_model_suite_checks_every_row(monkeypatch, adapters, fault):
     if fault:
-        _third_request_one_position_off(monkeypatch)
+        third_request_one_position_off(monkeypatch, model_runtime)
     case = ModelCase("decode", "tiny", 1, 8, 4, adapters, (4,) if adapters else (), "torch",
                      torch.float32)
     rows = run_case(case, CTX, RuntimeCache([case], CPU))

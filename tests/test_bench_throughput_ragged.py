@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_faults import mask_by_longest
 
 from bench import throughput_bench
 from bench.context import Context
 from bench.hardware import Ceilings
 from graphs.static_batch import DecodeBuffers
-from lora_runtime.model import attention_ops
 
 CTX = Context(torch.device("cpu"), Ceilings("cpu", 10.0, 0.1, 0), reps=1, profile="cpu")
 BASE = throughput_bench.cases("tiny", 1, "float32", 8, 4, 4, [(0, "-")], 4)[0]
@@ -30,22 +30,12 @@ def _padding_writes_a_live_slot(monkeypatch):
     monkeypatch.setattr(DecodeBuffers, "write_by_torch", write)
 
 
-def _mask_by_longest(monkeypatch):
-    real = attention_ops.decode_attention_reference
-
-    def masked(q, k_cache, v_cache, meta, scale):
-        longest = meta.kv_lens.max().expand_as(meta.kv_lens)
-        return real(q, k_cache, v_cache, type(meta)(meta.kv_indices, longest), scale)
-
-    monkeypatch.setattr(attention_ops, "decode_attention_reference", masked)
-
-
 @pytest.mark.parametrize("fault", [None, "padding-writes-a-live-slot", "mask-by-longest"])
 def test_a_ragged_workload_is_verified(monkeypatch, fault):
     if fault == "padding-writes-a-live-slot":
         _padding_writes_a_live_slot(monkeypatch)
     elif fault == "mask-by-longest":
-        _mask_by_longest(monkeypatch)
+        mask_by_longest(monkeypatch)
     monkeypatch.setattr(throughput_bench, "TIMED_PASSES", 1)
     row = throughput_bench.run_case(BASE, CTX)
     v = row["verification"]
