@@ -54,10 +54,24 @@ def shutdown(device: torch.device) -> None:
     captured collectives may not exit on its own)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    if dist.is_initialized():
-        if dist.get_backend() == "gloo":
-            # Hazard: a rank that tears its gloo pairs down while a peer still completes the
-            # last collective aborts that peer ("terminate called without an active
-            # exception", SIGABRT; seen once in CI on 2 cores): leave together.
-            dist.barrier()
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() != "gloo":
         dist.destroy_process_group()
+        return
+    # Hazard: a rank that tears its gloo pairs down while a peer still completes the last
+    # collective aborts that peer ("terminate called without an active exception", SIGABRT;
+    # seen in CI and in a bench run on 2 cores, once with a barrier before the teardown: the
+    # barrier is itself a collective a peer may still be finishing). So: the barrier, then
+    # through the store (no gloo pair) every rank says it is past it before any tears down,
+    # and the store's host (rank 0) leaves last.
+    rank, size = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    store.set(f"dp_shutdown/past_barrier/{rank}", "1")
+    store.wait([f"dp_shutdown/past_barrier/{r}" for r in range(size)])
+    if rank == 0:
+        store.wait([f"dp_shutdown/left/{r}" for r in range(1, size)])
+    dist.destroy_process_group()
+    if rank != 0:
+        store.set(f"dp_shutdown/left/{rank}", "1")
