@@ -15,11 +15,7 @@ from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload
-from lora_runtime.lora.adapters import random_adapter
-from lora_runtime.lora.lora_config import LoRAConfig
-from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import PRESETS
-from lora_runtime.model.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
 CONFIG = PRESETS["tiny"](1)
@@ -27,20 +23,22 @@ SPEC = WorkloadSpec(4, 6, 3, popularity="uniform", num_adapters=2, seed=1)
 VERIFIED = {"status": "verified", "error": None, "checked": "count"}
 
 
+def served_tokens(spec: WorkloadSpec, kv_tokens: int, max_batch: int) -> list[list[int]]:
+    """``spec``'s tokens from a correct engine with a DP case's weights and adapters
+    (``dp_bench``'s own builders: seed 0, adapter i seeded i)."""
+    model, lora = dp_bench._model(CONFIG, torch.float32, CPU, 2, 8)
+    for name in spec.adapter_names:
+        lora.load_adapter(name, dp_bench._adapter(CONFIG, name, 8, torch.float32))
+    eng = Engine(ModelRunner(model, KVCache(CONFIG, kv_tokens, torch.float32, CPU), lora),
+                 SchedulerConfig(max_batch_size=max_batch))
+    wl = make_workload(spec, CONFIG.vocab_size)
+    return [list(o) for o in eng.generate([w.prompt for w in wl], [w.adapter for w in wl],
+                                          max_new_tokens=3)]
+
+
 @pytest.fixture(scope="module")
 def served() -> dict[int, list[int]]:
-    """The workload's tokens from a correct engine (the same weights and adapters as a DP
-    case's ranks: seed 0, adapter i seeded i)."""
-    model = LlamaForCausalLM.random(CONFIG, torch.float32, CPU, seed=0)
-    lora = LoRAManager(model, LoRAConfig(2, 8, backend="torch"))
-    for name in SPEC.adapter_names:
-        lora.load_adapter(name, random_adapter(CONFIG, name, 8, seed=int(name.rsplit("-", 1)[1]),
-                                               dtype=torch.float32))
-    eng = Engine(ModelRunner(model, KVCache(CONFIG, 256, torch.float32, CPU), lora),
-                 SchedulerConfig(max_batch_size=4))
-    wl = make_workload(SPEC, CONFIG.vocab_size)
-    outs = eng.generate([w.prompt for w in wl], [w.adapter for w in wl], max_new_tokens=3)
-    return dict(enumerate(outs))
+    return dict(enumerate(served_tokens(SPEC, 256, 4)))
 
 
 def _check(outs):

@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bench_dp_reference import served_tokens
 
 from bench import dp_bench
 from bench.token_reference import REQUESTS
 from lora_runtime.dp.controller import DPController
-from lora_runtime.engine.engine import Engine
-from lora_runtime.engine.kv_cache import KVCache
-from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload
-from lora_runtime.lora.adapters import random_adapter
-from lora_runtime.lora.lora_config import LoRAConfig
-from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.config import PRESETS
-from lora_runtime.model.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
 CONFIG = PRESETS["tiny"](1)
@@ -33,15 +26,8 @@ VERIFIED = {"status": "verified", "error": None, "checked": "count"}
 @pytest.fixture(scope="module")
 def parts() -> list[dict[int, list[int]]]:
     """A correct engine's tokens, split by the rank the skewed controller gives each."""
-    model = LlamaForCausalLM.random(CONFIG, torch.float32, CPU, seed=0)
-    lora = LoRAManager(model, LoRAConfig(2, 8, backend="torch"))
-    for name in SPEC.adapter_names:
-        lora.load_adapter(name, random_adapter(CONFIG, name, 8, seed=int(name.rsplit("-", 1)[1]),
-                                               dtype=torch.float32))
-    eng = Engine(ModelRunner(model, KVCache(CONFIG, 1024, torch.float32, CPU), lora),
-                 SchedulerConfig(max_batch_size=8))
+    outs = served_tokens(SPEC, 1024, 8)
     wl = make_workload(SPEC, CONFIG.vocab_size)
-    outs = eng.generate([w.prompt for w in wl], [w.adapter for w in wl], max_new_tokens=3)
     ctrl = DPController(SIZE, *dp_bench.LOADS["skewed"])
     out: list[dict[int, list[int]]] = [{} for _ in range(SIZE)]
     for i, w in enumerate(wl):
