@@ -248,8 +248,7 @@ def _verify_reference(config, dtype, device, adapters, r, spec, parts,
                                           for i, ks in rows[rank].items()}
         found = token_reference(model, lora, workload, outs, tie, sorted(part)[:REQUESTS],
                                 engine_logits=kept)
-        v = judge(found, model, tie, done, check,
-                  row_errors=None if kept is None else kept.get("row_errors", []))
+        v = judge(found, model, tie, done, check)
         if v["status"] != "verified":
             return {**v, "error": f"rank {rank}'s requests: {v['error']}"}
         probes += v["reference_probes"]

@@ -325,8 +325,7 @@ def _verify_ragged(rt: _Runtime, workload, verification: dict, tie: float) -> di
     rows = {i: engine.logits[r.id] for i, r in enumerate(reqs)}
     found = token_reference(rt.runner.model, rt.lora, workload, [list(r.output) for r in reqs],
                             tie, engine_logits=rows)
-    v = judge(found, rt.runner.model, tie, verification, RAGGED_CHECK,
-              row_errors=rows.get("row_errors", []))
+    v = judge(found, rt.runner.model, tie, verification, RAGGED_CHECK)
     if v["status"] != "verified":
         return {**v, "error": f"ragged workload: {v['error']}"}
     return {**verification, "checks": v["checks"],
@@ -336,11 +335,9 @@ def _verify_ragged(rt: _Runtime, workload, verification: dict, tie: float) -> di
 def _verify_reference(rt: _Runtime, workload, verification: dict, tie: float) -> dict:
     """The untimed pass's tokens (which every timed pass repeats) against an eager forward
     outside the engine (``bench.token_reference``)."""
-    rows = dict(rt.logits)
     found = token_reference(rt.runner.model, rt.lora, workload, rt.passes[0], tie,
-                            engine_logits=rows)
-    return judge(found, rt.runner.model, tie, verification,
-                 row_errors=rows.get("row_errors", []))
+                            engine_logits=rt.logits)
+    return judge(found, rt.runner.model, tie, verification)
 
 
 def _q(xs: list[float], q: float) -> float:

@@ -8,6 +8,8 @@ runner: the greedy token there must be the engine's, except at a near-tie."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lora_runtime.engine.kv_cache import KVCache
@@ -40,12 +42,23 @@ GPU)."""
 LOGITS_CHECK = f"logits rows at those tokens == the eager forward's (fp32: {ROW_TOL_FP32})"
 
 
+class Found(NamedTuple):
+    """What ``token_reference`` found."""
+
+    bad: list
+    """(request, token, reference token, engine token) past the near-tie."""
+    probes: int
+    row_errors: list | None = None
+    """(request, token, relative error of the engine's logits row against the reference's)
+    per probe, when the engine's rows were given."""
+
+
 def near_tie(dtype: str) -> float:
     return TIE_FP32 if dtype == "float32" else TIE
 
 
 def token_reference(model, lora, workload, outs, tie: float,
-                    indices=None, engine_logits=None) -> tuple[list, int]:
+                    indices=None, engine_logits=None) -> Found:
     """For each of the first ``REQUESTS`` requests, its prompt and the tokens before its first
     and last output token, prefilled by an eager forward of ``model`` (with ``lora``): the
     greedy token there must be the one the engine gave that request (``outs[i]``), except
@@ -53,17 +66,15 @@ def token_reference(model, lora, workload, outs, tie: float,
     engine's scheduling, overlap, graph replays, DP collectives and the assignment of a
     step's tokens to requests are not on this path.
     ``indices``: the requests to probe instead of the first ``REQUESTS`` (DP: some of every
-    rank's). Returns the mismatches (request, token, reference token, engine token) and the
-    probes. ``engine_logits`` (request -> the engine's logits row at each output token):
-    also fills ``engine_logits["row_errors"]`` with (request, token, relative error of the
-    engine's row against the reference's) per probe."""
+    rank's). ``engine_logits`` (request -> the engine's logits row at each output token):
+    each probe's row is compared too."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     probes = []  # (request, position in its output)
     for i in range(min(REQUESTS, len(outs))) if indices is None else indices:
         if outs[i]:
             probes += [(i, k) for k in sorted({0, len(outs[i]) - 1})]
-    bad = []
+    bad, row_errors = [], None if engine_logits is None else []
     try:
         for chunk in _chunks(probes, workload, lora):
             reqs = [Request(list(workload[i].prompt) + outs[i][:k], workload[i].adapter, 1)
@@ -73,9 +84,9 @@ def token_reference(model, lora, workload, outs, tie: float,
                 build_extend(reqs, kv, device)).float()
             best = logits.max(dim=-1)
             for row, (i, k) in enumerate(chunk):
-                if engine_logits is not None:
+                if row_errors is not None:
                     eng, ref = engine_logits[i][k].float(), logits[row]
-                    engine_logits.setdefault("row_errors", []).append(
+                    row_errors.append(
                         (i, k, float((eng - ref).norm() / ref.norm().clamp_min(1e-30))))
                 # The engine's token must itself be within ``tie`` of the reference's best: a
                 # near-tie between the reference's top two excuses those two tokens, not any.
@@ -88,14 +99,12 @@ def token_reference(model, lora, workload, outs, tie: float,
     finally:
         if lora is not None:
             lora.reset_lora_batch()
-    return bad, len(probes)
+    return Found(bad, len(probes), row_errors)
 
 
-def judge(found: tuple[list, int], model, tie: float, verification: dict,
-          check: str = CHECK, row_errors=None) -> dict:
-    """``verification`` with the reference's outcome (``found``: ``token_reference``'s;
-    ``row_errors``: its ``engine_logits["row_errors"]``, if it was given the engine's rows)."""
-    bad, probes = found
+def judge(found: Found, model, tie: float, verification: dict, check: str = CHECK) -> dict:
+    """``verification`` with the reference's outcome (``found``: ``token_reference``'s)."""
+    bad, probes, row_errors = found
     fp32 = next(model.parameters()).dtype == torch.float32
     allowed = 0 if fp32 else int(probes * SHARE_BF16)
     if len(bad) > allowed:

@@ -62,13 +62,13 @@ class _Model(torch.nn.Module):
 
 
 def test_judge_allows_rare_bf16_flips_but_no_fp32_one():
-    from bench.token_reference import judge
+    from bench.token_reference import Found, judge
 
-    one = ([(3, 0, 7, 8)], 32)
+    one = Found([(3, 0, 7, 8)], 32)
     verified = {"status": "verified", "error": None, "checks": ["count"]}
     v = judge(one, _Model(torch.bfloat16), 0.125, verified)
     assert v["status"] == "verified" and v["reference_mismatches"] == 1
     assert v["checks"][0] == "count" and len(v["checks"]) == 2
     assert judge(one, _Model(torch.float32), 1e-3, verified)["status"] == "failed"
-    many = ([(i, 0, 1, 2) for i in range(5)], 32)  # a structural fault moves most probes
+    many = Found([(i, 0, 1, 2) for i in range(5)], 32)  # a structural fault moves most probes
     assert judge(many, _Model(torch.bfloat16), 0.125, verified)["status"] == "failed"
