@@ -34,8 +34,8 @@ def _python(session: nox.Session) -> str:
     if not stamp.exists() or stamp.read_text() != want:
         index = os.environ.get("TORCH_INDEX_URL")
         # torch first, so that its own triton pin picks triton: resolving the project's
-        # `triton>=3.1` first fetched the newest triton (3.9.0, whose download failed here)
-        # before pip read torch's `triton~=3.8.0`.
+        # `triton>=3.1` first fetched the newest triton (3.9.0, 286 MB) before pip read
+        # torch's `triton~=3.8.0`, which then rejected it.
         session.run(str(py), "-m", "pip", "install", "--progress-bar", "on", "torch",
                     *(["--index-url", index] if index else []))
         session.log("installing torch, triton and the test tools (first run: a few GB "
