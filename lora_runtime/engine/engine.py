@@ -139,8 +139,8 @@ class Engine:
 
     def _check(self, req: Request) -> None:
         vocab = self.runner.model.config.vocab_size
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
-        if bad:
+        if min(req.prompt) < 0 or max(req.prompt) >= vocab:
+            bad = [t for t in req.prompt if not 0 <= t < vocab]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                              f"0..{vocab - 1}")
         if req.adapter is not None and (self.lora is None or req.adapter not in self.lora.adapters):

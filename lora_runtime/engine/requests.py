@@ -26,6 +26,19 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def int_ids(label: str, ids) -> list[int]:
+    """``ids`` as a list of Python ints; ValueError naming ``label`` where one is not an
+    integer (bool is not). Plain ints take the fast path: one set of the ids' types, where an
+    ``isinstance`` test per id cost ~0.5 us a token (8-17 ms for 64 prompts of 256 tokens,
+    on the host, inside the throughput bench's timed pass)."""
+    if set(map(type, ids)) <= {int}:
+        return list(ids)
+    bad = [t for t in ids if not is_int(t)]
+    if bad:
+        raise ValueError(f"{label} token ids must be integers, got {bad[:5]!r}")
+    return [int(t) for t in ids]
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
@@ -46,13 +59,9 @@ class Request:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got "
                              f"{self.max_new_tokens!r}")
-        for label, ids in (("prompt", self.prompt), ("stop_ids", self.stop_ids)):
-            bad = [t for t in ids if not is_int(t)]
-            if bad:
-                raise ValueError(f"{label} token ids must be integers, got {bad[:5]!r}")
         self.max_new_tokens = int(self.max_new_tokens)
-        self.prompt = [int(t) for t in self.prompt]
-        self.stop_ids = tuple(int(t) for t in self.stop_ids)
+        self.prompt = int_ids("prompt", self.prompt)
+        self.stop_ids = tuple(int_ids("stop_ids", self.stop_ids))
 
     def __setattr__(self, name, value) -> None:
         if name == "kv_slots" and not isinstance(value, SlotList):
