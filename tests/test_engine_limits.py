@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from http import HTTPStatus
 
 import numpy
 import pytest
@@ -17,6 +18,7 @@ from engine_world import EngineWorld
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.requests import Request
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
 from lora_runtime.model.config import tiny
@@ -42,6 +44,8 @@ def test_bad_requests_are_refused_and_the_others_served(world):
         (dict(prompt_ids=[1], max_new_tokens=4.5), "an integer"),  # reserved 4.5 KV slots
         (dict(prompt_ids=[1], max_new_tokens=True), "an integer"),
         (dict(prompt_ids=[1, 2.5]), "prompt token ids must be integers"),
+        (dict(prompt_ids=[1, True]), "prompt token ids must be integers"),
+        (dict(prompt_ids=[3, -1]), "outside the vocabulary"),
         (dict(prompt_ids=[1], stop_ids=[0.5]), "stop_ids token ids must be integers"),
         (dict(prompt_ids=[1, w.config.vocab_size]), "outside the vocabulary"),
     ]
@@ -54,6 +58,17 @@ def test_bad_requests_are_refused_and_the_others_served(world):
     assert good.metrics.finish is not None and other.metrics.finish is not None
     w.check_request(eng, good)
     w.check_request(eng, other)
+
+
+def test_request_ids_become_plain_ints_and_are_copied():
+    """Integral ids of any type (numpy's, an IntEnum) are stored as Python ints; the prompt is
+    the request's own list, not the caller's."""
+    prompt = [1, 2, 3]
+    req = Request(prompt, None, 2, stop_ids=[numpy.int64(7)])
+    prompt.append(4)
+    assert req.prompt == [1, 2, 3] and req.stop_ids == (7,)
+    mixed = Request([numpy.int32(5), HTTPStatus.OK, 6], None, 2)
+    assert mixed.prompt == [5, 200, 6] and {type(t) for t in mixed.prompt} == {int}
 
 
 def test_generate_refuses_all_its_prompts_or_none(world):
