@@ -29,7 +29,7 @@ from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.results import make_row
 from bench.scenarios import IdleCase
-from bench.timing import bench_interleaved, bench_time, pair_ratio
+from bench.timing import bench_interleaved, pair_ratio
 from lora_runtime.nvtx import nvtx_range
 
 RUNTIMES = ("no_lora", "lora")
@@ -112,13 +112,10 @@ def run_case(case: IdleCase, ctx: Context, pairs: RuntimePair) -> list[dict]:
                                       device=ctx.device, reps=EAGER_REPS * ctx.reps)
         timed = {(n, "eager"): t for n, t in eager.items()}
         kinds = dict.fromkeys(timed)
-        for (name, path), fn in fns.items():
-            if path == "eager":
-                continue
-            with nvtx_range(f"{path} {name} {case.label}"):
-                timed[(name, path)] = bench_time(fn, device=ctx.device, mode="events",
-                                                 reps=ctx.reps, warmup=3)
-            kinds[(name, path)] = rts[name].last_kind
+        with nvtx_range(f"graph {case.label}"):  # the two runtimes' replays alternating
+            timed |= bench_interleaved({k: fn for k, fn in fns.items() if k[1] != "eager"},
+                                       device=ctx.device, reps=ctx.reps, mode="events")
+        kinds |= {(n, p): rts[n].last_kind for n, p in timed if p != "eager"}
         return [make_row(case, ctx.profile, {"runtime": n, "path": p}, timing=t,
                          derived=_derived(case, rts[n], t, timed[("no_lora", p)], p, ctx)
                          | {"graph_kind": kinds[(n, p)]}, verification=check)
@@ -184,9 +181,9 @@ def _expect_base_graph(case: IdleCase, name: str, rt: BenchRuntime) -> None:
 
 
 def _derived(case: IdleCase, rt: BenchRuntime, t, base, path: str, ctx: Context) -> dict:
-    # Eager: the two runtimes were timed alternating, so each rep is judged against its
-    # partner (the median of the rep-by-rep ratios); replays: medians.
-    ratio = pair_ratio(t, base) if path == "eager" else t.median_us / base.median_us
+    # The two runtimes were timed alternating, so each rep is judged against its partner
+    # (the median of the rep-by-rep ratios).
+    ratio = pair_ratio(t, base)
     out = {"tokens": case.batch_size, "overhead_pct": 100 * (ratio - 1) if t is not base else None}
     if case.scenario == "base_batch" or path == "graph":
         floor_us = rt.weight_bytes / (ctx.ceilings.copy_gbps * 1e3)

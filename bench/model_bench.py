@@ -14,6 +14,13 @@ Rows: one per (traffic, path); derived: ``tokens_per_s``, ``weight_bytes``, ``fl
 the measured copy bandwidth), ``x_floor``, ``graph_kind``, on LoRA
 traffic rows ``lora_bytes`` and ``lora_floor_us`` (the batch's distinct adapters' weights, the
 least LoRA can add: ``bench.lora_floor``) and, on graph rows, the runtime's capture figures.
+
+Timing: the eager forwards of every traffic alternate rep by rep, and so do the graph steps and
+replays of every traffic (CUDA events): graph rows carry ``host_us`` (the median of the
+rep-by-rep step minus replay: the host's share of a step), LoRA traffic's graph and replay
+rows ``lora_over_base_traffic`` (the median of the rep-by-rep ratios to base traffic's),
+eager LoRA rows ``eager_lora_over_base``. Separately timed windows drift apart (a bs-256
+replay by ~5% between windows a second apart); pairs do not.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from bench.lora_floor import adapter_bytes, floor_us
 from bench.model_runtime import BenchRuntime
 from bench.reference_checks import LORA_CHECK
 from bench.results import make_row
-from bench.timing import bench_interleaved, bench_time, pair_ratio
+from bench.timing import bench_interleaved, pair_difference, pair_ratio
 from lora_runtime.nvtx import nvtx_range
 
 PATHS = ("eager", "graph", "replay_only")
@@ -126,17 +133,24 @@ def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict
         with nvtx_range(f"eager {case.label}"):  # every traffic, alternating
             eager = bench_interleaved({t: (lambda b=b: rt.eager(b)) for t, (b, _) in
                                        batches.items()}, device=ctx.device, reps=ctx.reps)
+        kinds, replayed = {}, {}
+        for traffic, (batch, _) in batches.items():
+            # Hazard: a replay alone reads what the last step wrote into the static buffers:
+            # each traffic's replay comes right after its own step in the alternation.
+            replayed[(traffic, "graph")] = lambda b=batch: rt.step(b)
+            replayed[(traffic, "replay_only")] = rt.replay_only(batch)
+            kinds[traffic] = rt.last_kind
+        with nvtx_range(f"graph {case.label}"):  # every traffic's step and replay, alternating
+            graph = bench_interleaved(replayed, device=ctx.device, reps=ctx.reps,
+                                      mode="events")
         for traffic, (batch, _) in batches.items():
             for path in PATHS:
-                if path == "eager":
-                    t = eager[traffic]
-                else:
-                    fn = (rt.replay_only(batch) if path == "replay_only" else
-                          (lambda b=batch: rt.step(b)))
-                    with nvtx_range(f"{path} {traffic} {case.label}"):
-                        t = bench_time(fn, device=ctx.device, reps=ctx.reps, warmup=3,
-                                       mode="events")
-                derived = _derived(case, rt, t, ctx, None if path == "eager" else rt.last_kind)
+                t = eager[traffic] if path == "eager" else graph[(traffic, path)]
+                derived = _derived(case, rt, t, ctx, None if path == "eager" else kinds[traffic])
+                if path == "graph":
+                    derived["host_us"] = pair_difference(t, graph[(traffic, "replay_only")])
+                if path != "eager" and traffic == "lora":
+                    derived["lora_over_base_traffic"] = pair_ratio(t, graph[("base", path)])
                 if traffic == "lora":
                     nbytes = adapter_bytes(rt.lora, batch.adapter_names)
                     derived |= {"lora_bytes": nbytes,

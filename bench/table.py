@@ -65,6 +65,7 @@ def pct(value) -> str:
 MODEL_HEADERS = ["model", "bs", "adapters", "r", "eager, no LoRA", "graph step, no-LoRA runtime",
                  "graph step, LoRA runtime, base traffic", "graph step, LoRA traffic",
                  "replay only: base / LoRA", "LoRA cost: step / replay only / bytes floor",
+                 "paired, LoRA / base traffic: step / replay", "host us: LoRA / base traffic",
                  "graph speed-up, LoRA traffic", "eager: LoRA / base traffic"]
 
 
@@ -76,10 +77,11 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """One line per LoRA runtime and batch size, next to the runtime without LoRA of the same
     model and batch size (microseconds)."""
     ok = [r for r in rows if r.get("stats")]
-    cell, eager_ratio, floor = {}, {}, {}
+    cell, eager_ratio, floor, derived = {}, {}, {}, {}
     for r in ok:
         base = (r["step"], r["preset"], r["layers"], r["context"], r["batch_size"], r["dtype"])
         cell[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = _med(r)
+        derived[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = r.get("derived", {})
         if r["traffic"] == "lora" and r["path"] == "replay_only":
             floor[(base, r["adapters"], r["ranks"])] = r.get("derived", {}).get("lora_floor_us")
         ratio = r.get("derived", {}).get("eager_lora_over_base")
@@ -98,6 +100,9 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         def lo(t, p, base=base, adapters=adapters, ranks=ranks):
             return cell.get((base, adapters, ranks, t, p))
 
+        def got(t, p, field, base=base, adapters=adapters, ranks=ranks):
+            return derived.get((base, adapters, ranks, t, p), {}).get(field)
+
         step_cost = _pct(lo("lora", "graph"), nl("graph"))
         replay_cost = _pct(lo("lora", "replay_only"), nl("replay_only"))
         floor_us = floor.get((base, adapters, ranks))
@@ -113,13 +118,17 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                     fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),
                     f"{fmt(nl('replay_only'), '.0f')} / {fmt(lo('lora', 'replay_only'), '.0f')}",
                     f"{fmt(step_cost)}% / {fmt(replay_cost)}% / {fmt(floor_cost)}%",
+                    f"{_ratio(got('lora', 'graph', 'lora_over_base_traffic'), '.3f')} / "
+                    f"{_ratio(got('lora', 'replay_only', 'lora_over_base_traffic'), '.3f')}",
+                    f"{fmt(got('lora', 'graph', 'host_us'), '.0f')} / "
+                    f"{fmt(got('base', 'graph', 'host_us'), '.0f')}",
                     "-" if gain is None else f"{gain:.1f}x",
                     _ratio(eager_ratio.get((base, adapters, ranks)))])
     return MODEL_HEADERS, out
 
 
-def _ratio(x):
-    return "-" if x is None else f"{x:.2f}x"
+def _ratio(x, spec=".2f"):
+    return "-" if x is None else f"{x:{spec}}x"
 
 
 def _pct(x, base):

@@ -63,12 +63,20 @@ def bench_time(
     raise ValueError(f"mode must be 'graph', 'events' or 'latency', got {mode!r}")
 
 
-def bench_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.device,
-                      warmup: int = 3, reps: int = 30) -> dict[str, Timing]:
-    """Wall clock of each call to the end of its device work ("latency"), the calls of
-    ``fns`` alternating rep by rep: host-bound eager steps on a noisy host drift by tens of
-    percent between runs a minute apart, and alternating puts every function under the same
-    drift, so the ratio of two is comparable where their separate times are not."""
+def bench_interleaved(fns: dict[object, Callable[[], object]], *, device: torch.device,
+                      warmup: int = 3, reps: int = 30, mode: str = "latency"
+                      ) -> dict[object, Timing]:
+    """Each function of ``fns`` timed with their calls alternating rep by rep, in the dict's
+    order: host-bound eager steps on a noisy host drift by tens of percent between runs a
+    minute apart, and a device-bound bs-256 replay by ~5% between windows a second apart
+    (clocks); alternating puts every function under the same drift, so the ratio of two is
+    comparable where their separate times are not. ``mode`` (GPU): "latency" (wall clock of
+    each call to the end of its device work) or "events" (CUDA events around each call, no
+    sync between calls: the stream's time, as ``bench_time``'s "events"). CPU: wall clock."""
+    if mode not in ("latency", "events"):
+        raise ValueError(f"mode must be 'latency' or 'events', got {mode!r}")
+    if device.type == "cuda" and mode == "events":
+        return _events_interleaved(fns, warmup, reps)
     run = {k: (_synced(f, device) if device.type == "cuda" else f) for k, f in fns.items()}
     for _ in range(warmup):
         for f in run.values():
@@ -83,9 +91,32 @@ def bench_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.dev
             out.items()}
 
 
+def _events_interleaved(fns, warmup, reps) -> dict[object, Timing]:
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    torch.cuda.synchronize()
+    pairs = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            f()
+            end.record()
+            pairs[k].append((start, end))
+    torch.cuda.synchronize()
+    return {k: Timing([s.elapsed_time(e) * 1e3 for s, e in v], "events_interleaved")
+            for k, v in pairs.items()}
+
+
 def pair_ratio(num: Timing, den: Timing) -> float:
     """Median of the rep-by-rep ratios of two interleaved timings."""
     return statistics.median(a / b for a, b in zip(num.samples_us, den.samples_us, strict=True))
+
+
+def pair_difference(a: Timing, b: Timing) -> float:
+    """Median of the rep-by-rep differences ``a - b`` of two interleaved timings (us)."""
+    return statistics.median(x - y for x, y in zip(a.samples_us, b.samples_us, strict=True))
 
 
 def _synced(fn, device):

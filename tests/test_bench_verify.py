@@ -12,7 +12,7 @@ from bench.hardware import Ceilings
 from bench.logits_match import assert_logits_match
 from bench.model_bench import ModelCase, RuntimeCache, run_case
 from bench.model_runtime import BenchRuntime
-from bench.timing import Timing, bench_interleaved, pair_ratio
+from bench.timing import Timing, bench_interleaved, pair_difference, pair_ratio
 
 CPU = torch.device("cpu")
 CTX = Context(CPU, Ceilings("cpu", 10.0, 0.1, 0), reps=2, profile="cpu")
@@ -61,6 +61,17 @@ def test_a_verified_case_times_every_traffic_and_path():
     floors = {r["derived"].get("lora_floor_us") for r in rows if r["traffic"] == "lora"}
     assert len(floors) == 1 and floors.pop() > 0
     assert all("lora_floor_us" not in r["derived"] for r in rows if r["traffic"] == "base")
+    # graph steps and replays were timed alternating: their pairs give the host's share and
+    # LoRA traffic's ratio to base traffic's
+    got = {(r["traffic"], r["path"]): Timing(r["samples_us"], "wall") for r in rows}
+    by = {(r["traffic"], r["path"]): r["derived"] for r in rows}
+    for traffic in ("base", "lora"):
+        assert by[(traffic, "graph")]["host_us"] == pair_difference(
+            got[(traffic, "graph")], got[(traffic, "replay_only")])
+    for path in ("graph", "replay_only"):
+        assert by[("lora", path)]["lora_over_base_traffic"] == pair_ratio(
+            got[("lora", path)], got[("base", path)]) > 0
+        assert "lora_over_base_traffic" not in by[("base", path)]
 
 
 def test_interleaved_timing_alternates_its_functions_and_pairs_their_reps():
@@ -70,6 +81,13 @@ def test_interleaved_timing_alternates_its_functions_and_pairs_their_reps():
     assert calls == ["a", "b"] * 4 and len(t["a"].samples_us) == len(t["b"].samples_us) == 3
     ratio = pair_ratio(Timing([2.0, 9.0, 4.0], "wall"), Timing([1.0, 3.0, 1.0], "wall"))
     assert ratio == 3.0  # the median of 2, 3 and 4: each rep against its own partner
+    assert pair_difference(Timing([5.0, 9.0, 4.0], "wall"), Timing([1.0, 3.0, 1.0], "wall")) == 4
+    calls.clear()  # "events" (a GPU's stream time) is the wall clock on a CPU
+    t = bench_interleaved({"b": lambda: calls.append("b"), "a": lambda: calls.append("a")},
+                          device=CPU, warmup=0, reps=2, mode="events")
+    assert calls == ["b", "a"] * 2 and t["a"].mode == "wall"
+    with pytest.raises(ValueError, match="mode must be 'latency' or 'events'"):
+        bench_interleaved({"a": lambda: None}, device=CPU, mode="graph")
 
 
 @pytest.mark.parametrize(("layers", "margin", "fails"), [
