@@ -139,17 +139,8 @@ def _wall(fn, calls, warmup, reps) -> Timing:
 
 
 def _events(fn, calls, warmup, reps) -> Timing:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for start, end in pairs:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return Timing([s.elapsed_time(e) * 1e3 / calls for s, e in pairs], "events")
+    [t] = _events_interleaved({None: fn}, warmup, reps).values()
+    return Timing([x / calls for x in t.samples_us], "events")
 
 
 def _graph(fn, calls, warmup, reps) -> Timing:
