@@ -11,7 +11,7 @@ import pytest
 import torch
 from runtime_helpers import drawn_adapter, make_runtime
 
-from bench import base_step_suite
+from bench import base_step_suite, profiles
 from bench.context import Context
 from bench.float64_model import Probe, last_logits_f64
 from bench.hardware import Ceilings
@@ -98,6 +98,19 @@ def test_the_suite_records_the_float64_error(monkeypatch):
     row = base_step_suite.make_runner([case], CTX)(case)[0]
     assert row["verification"]["status"] == "failed"
     assert "float64 decode step" in row["verification"]["error"] and row["stats"] is None
+
+
+def test_the_cpu_profile_checks_the_triton_base_kernels(monkeypatch):
+    """The CPU profile's base step runs the Triton kernels too (the interpreter, fp32): a fault
+    inside one (the Triton norm's eps x100) fails their case, and the torch case beside it
+    stays verified."""
+    cases = {c.kernels: c for c in profiles.base_step_cases("cpu") if c.batch_size == 3}
+    real = layers.rms_norm
+    monkeypatch.setattr(layers, "rms_norm",
+                        lambda x, w, eps, *args: real(x, w, eps * 100, *args))
+    for kernels, want in (("triton", "failed"), ("torch", "verified")):
+        row = base_step_suite.make_runner([cases[kernels]], CTX)(cases[kernels])[0]
+        assert row["verification"]["status"] == want, (kernels, row["verification"]["error"])
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
