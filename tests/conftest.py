@@ -11,11 +11,15 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The interpreter computes tl.dot on bf16 wrongly: bf16 is checked on the GPU only.
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 
+# print_blob: a failure prints the @reproduce_failure line that replays its draw (CI runs
+# fresh clones, so Hypothesis's example database never holds it).
 settings.register_profile(
-    "cpu", max_examples=25, deadline=None, suppress_health_check=list(HealthCheck)
+    "cpu", max_examples=25, deadline=None, suppress_health_check=list(HealthCheck),
+    print_blob=True,
 )
 settings.register_profile(
-    "gpu", max_examples=100, deadline=None, suppress_health_check=list(HealthCheck)
+    "gpu", max_examples=100, deadline=None, suppress_health_check=list(HealthCheck),
+    print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if ON_GPU else "cpu"))
 
