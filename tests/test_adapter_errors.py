@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -250,3 +251,15 @@ def test_a_second_manager_on_a_wrapped_model_is_refused():
     with pytest.raises(ValueError, match="already has LoRA layers.*fresh model"):
         LoRAManager(model, LoRAConfig(2, 4, backend="torch"))
     assert first.model is model and not first.adapters
+
+
+@pytest.mark.parametrize("name", [None, 7, ("a",)])
+def test_a_name_that_is_not_a_string_is_refused(runner, name):
+    """None is the base model's adapter name in a request: a pinned adapter loaded under it
+    took the neutral slot's place, and a base-model row of a batch with adapters was served
+    with its weights (logits off by ~1.7)."""
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="adapter name must be a string.*got " +
+                       re.escape(repr(name))):
+        runner.lora.load_adapter(name, random_adapter(CFG, "x", 2, seed=5), pinned=True)
+    _assert_unchanged(runner.lora, before)

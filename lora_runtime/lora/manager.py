@@ -158,6 +158,11 @@ class LoRAManager:
         it also takes a slot now and is never evicted. On any error the loaded adapters are
         unchanged; a slot write that failed leaves that slot empty (the adapter evicted for it
         is written again when a batch next uses it)."""
+        if not isinstance(name, str):
+            # None names the base model in a request: an adapter under it took the neutral
+            # slot's place in every batch with adapters.
+            raise AdapterError(f"an adapter name must be a string, got {name!r}; name it as "
+                               "requests will (adapter=None serves the base model)")
         if name in self.adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
         adapter = source if isinstance(source, LoRAAdapter) else load_peft_adapter(source, name)
