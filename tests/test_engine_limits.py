@@ -290,3 +290,16 @@ def test_a_long_running_engine_keeps_bounded_history(world):
     assert report.steps > 10 and eng.steps_recorded == 24 and eng.timeline == before
     eng.generate([[3, 4]], [None], 2)
     assert [s.index for s in eng.timeline][-2:] == [24, 25]
+
+
+def test_graphs_built_on_another_runner_are_refused(world):
+    """A graph replays its own runner's model into its own KV cache: an engine serving with
+    another runner's graphs decoded a 50-token prompt eagerly (past the graph's context) over
+    a cache its graph-replayed prefill never wrote, silently (every logit off)."""
+    from graphs import GraphRunner
+
+    own = GraphRunner.decode(world.runner, [1, 2], 16)
+    other = GraphRunner.prefill(world.ref, [8], 2)
+    with pytest.raises(ValueError, match=r"graphs\[1\] was built on another ModelRunner"):
+        Engine(world.runner, SchedulerConfig(), [own, other])
+    assert Engine(world.runner, SchedulerConfig(), [own]).graphs == [own]

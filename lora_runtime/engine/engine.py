@@ -26,6 +26,7 @@ from lora_runtime.engine.warm_up import WarmUpReport, warm_up
 class GraphReplayer(Protocol):
     """What the engine needs of a graph runner (``graphs.GraphRunner``)."""
 
+    runner: ModelRunner
     last_kind: str | None
     last_bucket: int | None
     mode: ForwardMode
@@ -82,6 +83,7 @@ class Engine:
         self.runner, self.lora, self.kv = runner, runner.lora, runner.kv
         self.config = config or SchedulerConfig()
         self.graphs = list(graphs)
+        _check_graphs(self.graphs, runner)
         self.keep_logits = keep_logits
         self.overlap = overlap
         self._inflight: LaunchedStep | None = None
@@ -504,6 +506,15 @@ class Engine:
                 f"runs and it still does not fit (pinned adapters {pinned} hold slots of "
                 f"{self.scheduler.num_slots}). Unpin an adapter")
 
+
+
+def _check_graphs(graphs: Sequence[GraphReplayer], runner: ModelRunner) -> None:
+    """A graph replays its own runner's model and KV cache: with another runner's, graph steps
+    and eager steps would read different caches (silently wrong tokens)."""
+    for i, g in enumerate(graphs):
+        if g.runner is not runner:
+            raise ValueError(f"graphs[{i}] was built on another ModelRunner than the engine's; "
+                             "build each GraphRunner from the runner passed to the engine")
 
 
 def _replayed_as(replayed: GraphReplayer | None) -> tuple[str, int] | None:
