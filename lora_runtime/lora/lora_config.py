@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from lora_runtime.engine.requests import is_int
 from lora_runtime.model.modules import BY_NAME, LINEAR_TARGETS
 
 
@@ -18,14 +19,17 @@ class LoRAConfig:
     backend: str = "triton"
 
     def __post_init__(self) -> None:
-        if self.max_loras_per_batch < 1:
-            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
-        if self.max_rank < 1:
-            raise ValueError(f"max_rank must be >= 1, got {self.max_rank}")
+        for name in ("max_loras_per_batch", "max_rank"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"LoRAConfig.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.target_modules, str):  # read letter by letter
+            raise ValueError(f"LoRAConfig.target_modules must be a tuple of module names, got "
+                             f"{self.target_modules!r}; write ({self.target_modules!r},)")
         unknown = set(self.target_modules) - set(BY_NAME)
         if unknown:
-            raise ValueError(f"unknown target modules {sorted(unknown)}; supported: "
-                             f"{sorted(BY_NAME)}")
+            raise ValueError(f"LoRAConfig.target_modules: unknown target modules "
+                             f"{sorted(unknown)}; supported: {sorted(BY_NAME)}")
 
     @cached_property
     def runtime_modules(self) -> set[str]:
