@@ -54,11 +54,24 @@ SHRINK_PROGRAMS = int(os.environ.get("MULTILORA_SHRINK_PROGRAMS", "0"))
 """Programs the shrink's K split aims for (0: ``programs_wanted``). Read at import; A/B runs."""
 
 
+EAGER_SHRINK_SPLITS = int(os.environ.get("MULTILORA_EAGER_SHRINK_SPLITS", "1"))
+"""At most this many K splits for a shrink launched eagerly on a GPU (0: no limit; read at
+import). A split shrink adds into a zeroed output: one memset launch more, and an eager
+forward is bound by its launches' host time (~50-100 us each on the H200 host). H200, 4
+layers, 16 adapters r=16, eager prefill LoRA / base traffic, two alternating rounds: 4 x 256
+tokens 1.77 / 1.59x split, 1.39 / 1.39x unsplit (the shrinks' device time 140 -> 228 us a
+forward); 8 x 256 (device-bound) 1.29 / 1.34x against 1.35 / 1.37x, its device time
+unchanged (5,880 / 5,900 against 5,889 / 5,879 us). In a graph the memset sits on the side
+branch and costs nothing measurable (``docs/perf-notes.md``, session 26)."""
+
+
 def shrink_split(
-    k: int, block_k: int, num_programs: int, device: torch.device, split_k: int | None
+    k: int, block_k: int, num_programs: int, device: torch.device, split_k: int | None,
+    eager: bool = False,
 ) -> tuple[int, int]:
     """(splits, k_per_split): split K until the grid covers the device, each split a multiple
-    of ``block_k``. ``split_k`` forces a split count (tests)."""
+    of ``block_k``; an ``eager`` launch on a GPU at most ``EAGER_SHRINK_SPLITS`` times.
+    ``split_k`` forces a split count (tests)."""
     k_blocks = -(-k // block_k)
     if split_k is None:
         wanted = SHRINK_PROGRAMS or programs_wanted(device)
@@ -67,6 +80,8 @@ def shrink_split(
             # A grid that already fills the device gains little from splitting (prefill
             # qkv, H200: 2 splits 18.4 us, 4 splits 21-26 us, 6 splits 23.4 us).
             split_k = min(split_k, 2)
+        if eager and device.type == "cuda" and EAGER_SHRINK_SPLITS > 0:
+            split_k = min(split_k, EAGER_SHRINK_SPLITS)
     split_k = max(1, min(split_k, k_blocks))
     k_per_split = -(-k_blocks // split_k) * block_k
     return -(-k // k_per_split), k_per_split

@@ -141,7 +141,7 @@ def _shrink(x, weights, layout, tail, split_k, block_k, num_warps) -> torch.Tens
     check_shrink_args(x, weights, layout, "lora_shrink")
     block_k, splits, k_per_split, num_warps = _launch_shape(
         x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
-        layout.block_m, x.device, split_k, block_k, num_warps)
+        layout.block_m, x.device, split_k, block_k, num_warps, config.eager(x))
     return _shrink_op(
         x, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,
         layout.block_starts, layout.block_ends, layout.block_m, weights.num_slices, splits,
@@ -174,13 +174,14 @@ def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayo
 @functools.lru_cache(maxsize=4096)
 def _launch_shape(k: int, max_rank: int, num_blocks: int, num_slices: int, block_m: int,
                   device: torch.device, split_k: int | None, block_k: int | None,
-                  num_warps: int | None) -> tuple[int, int, int, int]:
-    """(block_k, splits, k_per_split, num_warps) of one launch: a function of shapes only, so it
-    is computed once per shape (an error is raised every time: lru_cache keeps no exception)."""
+                  num_warps: int | None, eager: bool = False) -> tuple[int, int, int, int]:
+    """(block_k, splits, k_per_split, num_warps) of one launch: a function of shapes and of
+    whether it runs eagerly (``config.shrink_split``), so it is computed once per shape (an
+    error is raised every time: lru_cache keeps no exception)."""
     block_r = config.rank_block(max_rank)
     block_k = block_k or config.shrink_k_block(block_r, k)
     check(block_k >= 16 and block_k & (block_k - 1) == 0,
           lambda: f"block_k must be a power of two >= 16, got {block_k}")
     splits, k_per_split = config.shrink_split(k, block_k, num_blocks * num_slices, device,
-                                              split_k)
+                                              split_k, eager)
     return block_k, splits, k_per_split, num_warps or config.num_warps(block_m, block_r)

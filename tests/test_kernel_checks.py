@@ -39,6 +39,21 @@ def test_split_k_adds_up_to_the_unsplit_product():
     assert torch.allclose(split[rows].double(), ref, rtol=1e-5, atol=1e-4)
 
 
+def test_an_eager_gpu_shrink_is_not_split(monkeypatch):
+    """An eager forward is bound by its launches' host time: its shrinks on a GPU skip the
+    split's memset launch (``config.EAGER_SHRINK_SPLITS``); a graph's keep their split."""
+    from kernels import config
+
+    monkeypatch.setattr(config, "programs_wanted", lambda device: 528)  # an H200's 4 x 132
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert config.shrink_split(4096, 128, 48, gpu, None) == (11, 384)
+    assert config.shrink_split(4096, 128, 48, gpu, None, eager=True) == (1, 4096)
+    assert config.shrink_split(4096, 128, 48, gpu, 3, eager=True)[0] == 3  # forced: tests
+    assert config.shrink_split(4096, 128, 48, cpu, None, eager=True) == (11, 384)
+    monkeypatch.setattr(config, "EAGER_SHRINK_SPLITS", 0)
+    assert config.shrink_split(4096, 128, 48, gpu, None, eager=True) == (11, 384)
+
+
 def test_unprepared_batch_is_refused_with_the_fix():
     w, _, x = _setup()
     with pytest.raises(ValueError, match="prepare_lora_batch"):
