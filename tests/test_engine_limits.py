@@ -48,6 +48,12 @@ def test_bad_requests_are_refused_and_the_others_served(world):
         (dict(prompt_ids=[3, -1]), "outside the vocabulary"),
         (dict(prompt_ids=[1], stop_ids=[0.5]), "stop_ids token ids must be integers"),
         (dict(prompt_ids=[1, w.config.vocab_size]), "outside the vocabulary"),
+        (dict(prompt_ids=None), "prompt_ids must be a sequence of token ids"),
+        (dict(prompt_ids=7), "prompt_ids must be a sequence of token ids"),
+        (dict(prompt_ids="12"), "prompt_ids must be a sequence of token ids"),
+        (dict(prompt_ids=[1], stop_ids=5), "stop_ids must be a sequence of token ids"),
+        (dict(prompt_ids=[1], adapter=[name]), "an adapter's name"),
+        (dict(prompt_ids=[1], adapter=7), "an adapter's name"),
     ]
     for kwargs, words in bad:
         with pytest.raises(ValueError, match=words):
@@ -79,6 +85,8 @@ def test_generate_refuses_all_its_prompts_or_none(world):
         ([[1, 2, 3], [4, 5]], [name], "2 prompts but 1 adapters"),
         ([[1, 2, 3], []], [name, None], "non-empty prompt"),
         ([[1, 2, 3], [4, 5]], [None, "nope"], "unknown adapter"),
+        ([[1, 2, 3], [4, 5], [6]], name[:3], "a list of adapter names"),  # not one a letter
+        ([1, 2, 3], [None] * 3, "prompt_ids must be a sequence"),  # one prompt, not a list
     ]:
         with pytest.raises(ValueError, match=words):
             eng.generate(prompts, adapters, max_new_tokens=2)
@@ -263,6 +271,8 @@ def test_an_engine_without_lora_names_the_fix_for_adapter_calls():
                  lambda: eng.pin_adapter("x")):
         with pytest.raises(RuntimeError, match="no LoRA manager"):
             call()
+    with pytest.raises(ValueError, match="has no LoRA manager"):
+        eng.add_request([1, 2], "x")
     assert len(eng.generate([[1, 2, 3]], [None], 2)[0]) == 2  # the base model still serves
 
 

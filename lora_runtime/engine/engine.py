@@ -18,7 +18,14 @@ from kernels import jit_watch
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request, build_decode, build_extend, is_int, release
+from lora_runtime.engine.requests import (
+    Request,
+    build_decode,
+    build_extend,
+    id_sequence,
+    is_int,
+    release,
+)
 from lora_runtime.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from lora_runtime.engine.warm_up import WarmUpReport, warm_up
 
@@ -121,6 +128,11 @@ class Engine:
                      max_new_tokens: int = 16) -> list[Request]:
         """``add_request`` for each prompt with its adapter, all or none: every request is
         checked before any is queued."""
+        if isinstance(adapters, str) or isinstance(prompts, str):
+            raise ValueError("add_requests takes a list of prompts and a list of adapter names, "
+                             f"one a prompt; got {type(prompts).__name__} prompts and "
+                             f"{type(adapters).__name__} adapters (for one adapter: "
+                             "[name] * len(prompts))")
         if len(prompts) != len(adapters):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters: pass one "
                              "adapter (or None) a prompt")
@@ -129,7 +141,8 @@ class Engine:
         return [self._queue(r) for r in reqs]
 
     def _checked(self, prompt_ids, adapter, max_new_tokens, stop_ids) -> Request:
-        req = Request(list(prompt_ids), adapter, max_new_tokens, tuple(stop_ids))
+        req = Request(id_sequence("prompt_ids", prompt_ids), adapter, max_new_tokens,
+                      tuple(id_sequence("stop_ids", stop_ids)))
         self._check(req)
         return req
 
@@ -145,8 +158,15 @@ class Engine:
             bad = [t for t in req.prompt if not 0 <= t < vocab]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                              f"0..{vocab - 1}")
-        if req.adapter is not None and (self.lora is None or req.adapter not in self.lora.adapters):
-            loaded = [] if self.lora is None else sorted(self.lora.adapters)
+        if req.adapter is not None and not isinstance(req.adapter, str):
+            raise ValueError(f"adapter must be an adapter's name (str), or None for the base "
+                             f"model, got {req.adapter!r}")
+        if req.adapter is not None and self.lora is None:
+            raise ValueError(f"adapter {req.adapter!r}: this engine's runner has no LoRA "
+                             "manager, so it serves the base model only (adapter=None); build "
+                             "the ModelRunner with a LoRAManager to serve adapters")
+        if req.adapter is not None and req.adapter not in self.lora.adapters:
+            loaded = sorted(self.lora.adapters)
             raise ValueError(f"unknown adapter {req.adapter!r} (loaded: {loaded}). Load it with "
                              "Engine.load_adapter first, or pass adapter=None for the base model")
         positions = self.runner.model.config.max_position_embeddings

@@ -39,6 +39,14 @@ def int_ids(label: str, ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+def id_sequence(label: str, ids) -> list:
+    """``ids`` as a list, where it is a sequence of ids; ValueError naming ``label`` where it
+    is not one (an int, None, a string: ``list("12")`` would read characters)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{label} must be a sequence of token ids, got {ids!r}")
+    return list(ids)
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
