@@ -263,3 +263,43 @@ def test_a_name_that_is_not_a_string_is_refused(runner, name):
                        re.escape(repr(name))):
         runner.lora.load_adapter(name, random_adapter(CFG, "x", 2, seed=5), pinned=True)
     _assert_unchanged(runner.lora, before)
+
+
+def test_two_keys_for_one_tensor_are_refused(runner, tmp_path):
+    """PEFT's key with and without the adapter name (``.default``): one of the two was served,
+    whichever the file listed last, silently."""
+    path = _saved(tmp_path)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    _edit_weights(path, lambda t: t.__setitem__(key.replace(".weight", ".default.weight"),
+                                                t[key] * 100))
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=r"q_proj\.lora_A\.default\.weight.*"
+                                           r"q_proj\.lora_A\.weight.*the same tensor"):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
+def test_weights_that_are_not_floating_point_are_refused(runner, tmp_path, dtype):
+    """An int8 (quantized) or bool lora_A was cast to the model's dtype and served as if its
+    integers were the weights."""
+    path = _saved(tmp_path)
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+    _edit_weights(path, lambda t: t.__setitem__(key, (t[key] * 10).to(dtype)))
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=r"v_proj: lora_A has dtype " + re.escape(str(dtype))
+                       + ".*floating point"):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+def test_float8_weights_load_as_their_values(runner, tmp_path):
+    """The finiteness check raised NotImplementedError ("isfinite" not implemented for
+    Float8_e4m3fn) instead of loading or refusing."""
+    path = _saved(tmp_path)
+    _edit_weights(path, lambda t: t.update({k: v.to(torch.float8_e4m3fn) for k, v in t.items()}))
+    runner.lora.load_adapter("x", path)
+    want = load_file(str(path / "adapter_model.safetensors"))
+    got = runner.lora.adapters["x"].modules[(1, "v_proj")]
+    assert torch.equal(got.a, want["base_model.model.model.layers.1.self_attn.v_proj"
+                                    ".lora_A.weight"].float())

@@ -104,7 +104,11 @@ class LoRAAdapter:
                 if tuple(t.shape) != want:
                     raise AdapterError(f"{where}: {label} has shape {tuple(t.shape)}, expected "
                                        f"{want} for this model")
-                if not torch.isfinite(t).all():
+                if not t.is_floating_point():  # a cast would serve its integers as weights
+                    raise AdapterError(f"{where}: {label} has dtype {t.dtype}; LoRA weights must "
+                                       "be floating point (dequantize the adapter before "
+                                       "saving it)")
+                if not torch.isfinite(t if t.element_size() > 1 else t.float()).all():  # fp8
                     raise AdapterError(f"{where}: {label} contains NaN or Inf")
             if not is_finite_number(m.scaling):
                 raise AdapterError(f"{where}: scaling must be a finite number, got "

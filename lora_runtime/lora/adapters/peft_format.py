@@ -74,11 +74,14 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     tensors = _read_weights(path)
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     base_layers = {}
+    seen: dict[tuple, str] = {}  # what a key names -> the key
     for key, t in tensors.items():
         if m := _BASE_KEY.match(key):
+            _once(seen, ("base", m.group(1)), key, path)
             base_layers[m.group(1)] = t
             continue
         mk, ab = _parse_key(key, path)
+        _once(seen, (mk, ab), key, path)
         pairs.setdefault(mk, {})[ab] = t
     modules = {}
     for mk, ab in sorted(pairs.items(), key=lambda kv: (kv[0][0] or -1, kv[0][1])):
@@ -238,6 +241,15 @@ def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
                            "supported (retrain with bias='none' and lora_bias=False)")
     raise AdapterError(f"{path / WEIGHTS}: unrecognised key {key!r} (not a LoRA weight of a "
                        "Llama module)")
+
+
+def _once(seen: dict, what, key: str, path: Path) -> None:
+    """Two keys naming one tensor (with and without a prefix or ``.default``): which one
+    is meant is not known."""
+    if what in seen:
+        raise AdapterError(f"{path / WEIGHTS}: keys {seen[what]!r} and {key!r} name the same "
+                           "tensor; keep one of them")
+    seen[what] = key
 
 
 def _peft_key(layer: int | None, target: str, ab: str) -> str:
