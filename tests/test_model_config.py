@@ -6,6 +6,7 @@ load dtype's range, and a KV cache built for another model."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -62,6 +63,49 @@ def test_a_config_built_directly_checks_its_rope_scaling(scaling, says):
     with pytest.raises(ValueError, match=says):
         dataclasses.replace(tiny(), rope_scaling=scaling)
     assert dataclasses.replace(tiny(), rope_scaling={"rope_type": "default"}).rope_scaling is None
+
+
+L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("extra, says", [
+    # A factor of 0 built a NaN rotary table (every logit NaN, silently); the rest raised a
+    # TypeError or ZeroDivisionError from the rotary code, naming no field.
+    ({"rope_scaling": L3 | {"factor": 0}}, "factor=0"),
+    ({"rope_scaling": L3 | {"factor": -2.0}}, "factor=-2.0"),
+    ({"rope_scaling": L3 | {"factor": "8"}}, "factor='8'"),
+    ({"rope_scaling": L3 | {"low_freq_factor": 0}}, "low_freq_factor=0"),
+    ({"rope_scaling": L3 | {"original_max_position_embeddings": None}},
+     "original_max_position_embeddings=None"),
+    ({"rope_scaling": L3 | {"original_max_position_embeddings": 64.5}},
+     "original_max_position_embeddings=64.5"),
+    ({"rope_scaling": L3 | {"low_freq_factor": 4.0}}, "high_freq_factor 4.0 must exceed"),
+    ({"rope_theta": True}, "rope_theta must be a positive"),  # read as 1.0
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),  # tied
+])
+def test_rope_scaling_values_and_flags_are_checked(extra, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        LlamaConfig.from_hf(HF | extra)
+    assert LlamaConfig.from_hf(HF | {"rope_scaling": L3}).rope_scaling["factor"] == 8.0
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size",
+                                   "num_hidden_layers", "num_attention_heads"])
+def test_a_config_without_a_required_field_names_it(field):
+    """It raised a bare KeyError: 'vocab_size'."""
+    with pytest.raises(ValueError, match=f"config.json has no {field!r}"):
+        LlamaConfig.from_hf({k: v for k, v in HF.items() if k != field})
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[]", "config.json must hold a JSON object"),  # an AttributeError before
+    ('{"vocab_size": 32,', "config.json is not valid JSON"),  # a JSONDecodeError, no path
+])
+def test_a_config_file_that_is_not_an_object_is_refused(tmp_path, text, says):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=says):
+        load_hf_llama(tmp_path, torch.float32, "cpu")
 
 
 def test_a_tensor_beyond_the_load_dtype_s_range_is_refused(tmp_path):

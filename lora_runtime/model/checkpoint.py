@@ -27,7 +27,11 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing: not a Hugging Face checkpoint folder")
-    config = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    config = LlamaConfig.from_hf(raw)
     model = LlamaForCausalLM.empty(config, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, str] = {}  # tensor name -> the file that held it

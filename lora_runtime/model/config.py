@@ -56,7 +56,7 @@ class LlamaConfig:
                              f"{self.head_dim}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+            if not _positive_number(value):
                 raise ValueError(f"LlamaConfig.{name} must be a positive finite number, got "
                                  f"{value!r}")
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
@@ -90,6 +90,12 @@ class LlamaConfig:
     @staticmethod
     def from_hf(cfg: dict) -> LlamaConfig:
         """From a Hugging Face ``config.json`` of a Llama checkpoint."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
+        missing = [k for k in _REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json has no {missing[0]!r} (a Llama config gives "
+                             f"{', '.join(_REQUIRED)})")
         model_type, arch = cfg.get("model_type"), cfg.get("architectures")
         if (model_type is not None and model_type != "llama") or (
                 arch is not None and "LlamaForCausalLM" not in arch):
@@ -116,8 +122,19 @@ class LlamaConfig:
                 "rope_theta"), 10000.0),
             rope_scaling=cfg.get("rope_scaling") or cfg.get("rope_parameters"),
             max_position_embeddings=_given(cfg.get("max_position_embeddings"), 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_hf_flag(cfg, "tie_word_embeddings"),
         )
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+
+
+def _hf_flag(cfg: dict, key: str) -> bool:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):  # bool("false") is True
+        raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _hf_head_dim(value) -> int:
@@ -135,6 +152,11 @@ def _hf_head_dim(value) -> int:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < float("inf"))
 
 
 def _given(*values):
@@ -159,7 +181,24 @@ def _rope_scaling(rs: dict | None) -> dict | None:
     if missing:
         raise ValueError(f"llama3 rope scaling lacks {missing}: config.json's rope_scaling "
                          f"must give {list(keys)}")
+    _check_llama3(rs)
     return {k: rs[k] for k in keys} | {"rope_type": "llama3"}
+
+
+def _check_llama3(rs: dict) -> None:
+    """The values the rotary table divides by (a factor of 0 made it NaN)."""
+    bad = [f"{k}={rs[k]!r}" for k in ("factor", "low_freq_factor", "high_freq_factor")
+           if not _positive_number(rs[k])]
+    omp = rs["original_max_position_embeddings"]
+    if not _is_int(omp) or omp <= 0:
+        bad.append(f"original_max_position_embeddings={omp!r}")
+    if bad:
+        raise ValueError(f"llama3 rope scaling: {', '.join(bad)}; the factors must be positive "
+                         "numbers and original_max_position_embeddings a positive integer")
+    lo, hi = rs["low_freq_factor"], rs["high_freq_factor"]
+    if hi <= lo:  # the smoothing divides by hi - lo
+        raise ValueError(f"llama3 rope scaling: high_freq_factor {hi} must exceed "
+                         f"low_freq_factor {lo}")
 
 
 def tiny(num_layers: int = 2) -> LlamaConfig:
