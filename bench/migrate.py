@@ -23,6 +23,10 @@ class MalformedResultFile(ValueError):
     """A result file whose structure is broken (hand-edited, or written by a broken tool)."""
 
 
+class NewerResultFile(ValueError):
+    """A result file of a schema this checkout does not know (written by a newer one)."""
+
+
 def to_current(data: dict) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         keys = sorted(data)[:4] if isinstance(data, dict) else type(data).__name__
@@ -36,22 +40,35 @@ def to_current(data: dict) -> dict:
     for i, r in enumerate(data["rows"]):
         if not isinstance(r, dict):
             raise MalformedResultFile(f"row {i} is {type(r).__name__}, not an object")
-    if schema >= 2:
+    if schema > 2:
+        raise NewerResultFile(f"its schema {schema} is newer than this checkout reads (2): "
+                              "report it with the checkout that wrote it")
+    if schema == 2:
         _check_current(data)
         return data
     runs = {k: v | {"run_id": v.get("run_id", k)} for k, v in data.get("runs", {}).items()}
-    rows = []
     lora_adapters = {}
-    for r in data["rows"]:
-        if r.get("kind") == "decode_step" and r["traffic"] == "lora":
-            lora_adapters[(r["run_id"], r["preset"], r["layers"], r["batch_size"])] = r["adapters"]
-    for r in data["rows"]:
+    for i, r in enumerate(data["rows"]):
+        if r.get("kind") == "decode_step" and _field(r, "traffic", i) == "lora":
+            key = tuple(_field(r, k, i) for k in ("run_id", "preset", "layers", "batch_size"))
+            lora_adapters[key] = _field(r, "adapters", i)
+    rows = []
+    for i, r in enumerate(data["rows"]):
         profile = runs.get(r.get("run_id"), {}).get("profile", "gpu")
-        if r.get("suite") == "kernels":
-            rows.append(_kernel_row(r, profile))
-        elif r.get("kind") == "decode_step":
-            rows.append(_model_row(r, lora_adapters))
+        try:
+            if r.get("suite") == "kernels":
+                rows.append(_kernel_row(r, profile))
+            elif r.get("kind") == "decode_step":
+                rows.append(_model_row(r, lora_adapters))
+        except KeyError as e:
+            raise MalformedResultFile(f"row {i} of schema 1 has no {e.args[0]!r}") from None
     return {"schema": 2, "runs": runs, "rows": rows}
+
+
+def _field(r: dict, key: str, i: int):
+    if key not in r:
+        raise MalformedResultFile(f"row {i} of schema 1 has no {key!r}")
+    return r[key]
 
 
 def _common(r: dict, case: dict, variant: dict, derived: tuple, verification: dict) -> dict:
@@ -105,3 +122,8 @@ def _check_current(data: dict) -> None:
             raise MalformedResultFile(f"row {i}: 'verification' has no 'status'")
         if r.get("stats") is not None and not isinstance(r["stats"], dict):
             raise MalformedResultFile(f"row {i}: 'stats' is neither an object nor null")
+        for part in ("case_key", "variant"):  # the tables index rows by these
+            lost = [k for k in r[part] if k not in r]
+            if lost:
+                raise MalformedResultFile(f"row {i}: its {part} names {lost[0]!r} but the row "
+                                          "has no such field")

@@ -81,6 +81,8 @@ def load(path: Path) -> dict:
         data = migrate.to_current(data)
     except migrate.NotAResultFile as e:
         raise NotAResultFile(f"{path}: {e}") from None
+    except migrate.NewerResultFile as e:
+        raise ResultFileError(f"{path}: {e}") from None
     except migrate.MalformedResultFile as e:
         raise ResultFileError(f"{path}: {e}; restore the file or delete it and re-run its "
                               "suite") from None

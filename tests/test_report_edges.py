@@ -80,6 +80,11 @@ def test_a_profile_session_s_rows_never_win(tmp_path, monkeypatch):
     (lambda d: d["rows"][0].pop("verification"), "row 0 has no verification"),
     (lambda d: d["rows"][0].update(case_key="module"), "must be lists"),
     (lambda d: d["rows"][0].update(stats=[1]), "'stats' is neither"),
+    # A KeyError traceback from the tables, naming no file:
+    (lambda d: d["rows"][0].pop("module"), "row 0: its case_key names 'module'"),
+    (lambda d: d["rows"][0].pop("provider"), "row 0: its variant names 'provider'"),
+    # Read as the current schema, whatever its rows had become:
+    (lambda d: d.update(schema=3), "schema 3 is newer than this checkout reads (2)"),
 ])
 def test_a_malformed_result_file_is_an_error_naming_it(tmp_path, mutate, says):
     path = _result(tmp_path / "k.json", rows()[:4])
@@ -177,3 +182,16 @@ def test_verification_lists_each_suite_s_checks_and_worst_errors():
     ])
     assert got == [["dp", "count", "-", "1 of 16"],
                    ["model", "replay == eager; merged", "max_rel_err_vs_eager 3e-07", "-"]]
+
+
+def test_a_schema_1_row_without_its_fields_is_an_error_naming_it(tmp_path):
+    """Old files were migrated field by field: a missing one was a KeyError traceback."""
+    old = {"schema": 1, "runs": {"r1": {"profile": "cpu"}}, "rows": [
+        {"suite": "kernels", "run_id": "r1", "module": "qkv_proj", "tokens": 1, "adapters": 1,
+         "rank": 8, "dtype": "float32", "provider": "triton", "median_us": 5.0},
+        {"suite": "model", "kind": "decode_step", "run_id": "r1", "traffic": "base"}]}
+    path = tmp_path / "model-cpu.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match=re.escape(str(path)) + ".*row 1 of schema 1 has no "
+                       "'runtime'"):
+        report.main([str(path), "-o", str(tmp_path / "r.html")])
