@@ -31,13 +31,30 @@ def _put(dst: torch.Tensor, src: torch.Tensor | None, n: int, end: int, pad: int
         dst[n:end].fill_(pad)
 
 
+def _checked_buckets(buckets, what: str) -> list[int]:
+    if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+        raise ValueError(f"graph buckets must be a non-empty list of {what} >= 1, got "
+                         f"{buckets!r}")
+    return sorted(set(buckets))
+
+
+def _check_size(name: str, value, least: int) -> None:
+    if not _is_int(value) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class DecodeBuffers:
     """Decode: one token per request; buckets are batch sizes."""
 
     mode = ForwardMode.DECODE
 
     def __init__(self, buckets: list[int], max_context: int, device) -> None:
-        self.buckets = sorted(set(buckets))
+        self.buckets = _checked_buckets(buckets, "batch sizes")
+        _check_size("max_context", max_context, 1)
         bs = self.buckets[-1]
         self.max_context = max_context
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
@@ -104,7 +121,9 @@ class PrefillBuffers:
     mode = ForwardMode.EXTEND
 
     def __init__(self, buckets: list[int], max_requests: int, max_prefix: int, device) -> None:
-        self.buckets = sorted(set(buckets))
+        self.buckets = _checked_buckets(buckets, "token counts")
+        _check_size("max_requests", max_requests, 1)
+        _check_size("max_prefix", max_prefix, 0)
         t = self.buckets[-1]
         self.max_requests, self.max_prefix = max_requests, max_prefix
         c = t + max_prefix

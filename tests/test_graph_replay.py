@@ -90,3 +90,26 @@ def test_replay_before_capture_is_refused_and_leaves_state():
         graphs.replay(batch)
     assert rt.lora.backend.batch_info is None
     assert rt.lora.pool.slot_of == slots_before
+
+
+@pytest.mark.parametrize("make, says", [
+    # An IndexError, a capture failing on "rows=-1", a torch size error, or accepted as is:
+    (lambda rt, G: G.decode(rt, [], 16), "graph buckets must be a non-empty list"),
+    (lambda rt, G: G.decode(rt, [-1, 2], 16), "graph buckets must be a non-empty list"),
+    (lambda rt, G: G.decode(rt, [0, 2], 16), "graph buckets must be a non-empty list"),
+    (lambda rt, G: G.decode(rt, [2.5], 16), "graph buckets must be a non-empty list"),
+    (lambda rt, G: G.decode(rt, [2], -1), "max_context must be an integer >= 1"),
+    (lambda rt, G: G.decode(rt, [2], 0), "max_context must be an integer >= 1"),
+    (lambda rt, G: G.prefill(rt, [], 4), "graph buckets must be a non-empty list"),
+    (lambda rt, G: G.prefill(rt, [8], 0), "max_requests must be an integer >= 1"),
+    (lambda rt, G: G.prefill(rt, [8], 2, -1), "max_prefix must be an integer >= 0"),
+])
+def test_graph_sizes_that_cannot_serve_are_refused_naming_them(make, says):
+    from runtime_helpers import make_runtime
+
+    from graphs import GraphRunner
+    from lora_runtime.model.config import tiny
+
+    rt = make_runtime(tiny(1), dtype=torch.float32, device=DEVICE, slots=2, max_rank=4)
+    with pytest.raises(ValueError, match=says):
+        make(rt, GraphRunner)
