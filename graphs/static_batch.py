@@ -13,6 +13,7 @@ import bisect
 import torch
 
 from kernels.decode_inputs import write_decode_inputs
+from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import (
     DecodeAttention,
     ExtendAttention,
@@ -32,19 +33,15 @@ def _put(dst: torch.Tensor, src: torch.Tensor | None, n: int, end: int, pad: int
 
 
 def _checked_buckets(buckets, what: str) -> list[int]:
-    if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+    if not buckets or not all(is_int(b) and b >= 1 for b in buckets):
         raise ValueError(f"graph buckets must be a non-empty list of {what} >= 1, got "
                          f"{buckets!r}")
     return sorted(set(buckets))
 
 
 def _check_size(name: str, value, least: int) -> None:
-    if not _is_int(value) or value < least:
+    if not is_int(value) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class DecodeBuffers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from numbers import Real
 
-from lora_runtime.engine.requests import is_int
+from lora_runtime.checks import is_int
 
 POLICIES = ("round_robin", "least_loaded", "skewed")
 

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from kernels import jit_watch
+from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
@@ -23,7 +24,6 @@ from lora_runtime.engine.requests import (
     build_decode,
     build_extend,
     id_sequence,
-    is_int,
     release,
 )
 from lora_runtime.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import (
     DecodeAttention,
     ExtendAttention,
@@ -19,11 +19,6 @@ from lora_runtime.engine.host_copy import to_device
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.metrics import RequestMetrics
 from lora_runtime.engine.slots import SlotList
-
-
-def is_int(value) -> bool:
-    """An integer of any integral type; bool is not one."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def int_ids(label: str, ids) -> list[int]:

@@ -19,8 +19,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import ForwardMode
-from lora_runtime.engine.requests import Request, is_int
+from lora_runtime.engine.requests import Request
 
 
 @dataclass(frozen=True)

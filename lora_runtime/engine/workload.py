@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lora_runtime.engine.requests import Request, is_int
+from lora_runtime.checks import is_int
+from lora_runtime.engine.requests import Request
 
 POPULARITY = ("none", "identical", "uniform", "zipf", "distinct")
 ARRIVALS = ("offline", "poisson")

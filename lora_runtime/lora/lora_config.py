@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from lora_runtime.engine.requests import is_int
+from lora_runtime.checks import is_int
 from lora_runtime.model.modules import BY_NAME, LINEAR_TARGETS
 
 

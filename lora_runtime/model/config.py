@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from lora_runtime.checks import is_int
+
 
 @dataclass(frozen=True)
 class ModuleShape:
@@ -37,9 +39,9 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
-        if not _is_int(self.head_dim) or self.head_dim < 0:
+        if not is_int(self.head_dim) or self.head_dim < 0:
             raise ValueError(f"LlamaConfig.head_dim must be a positive integer (0: hidden_size / "
                              f"num_heads), got {self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
@@ -143,15 +145,11 @@ def _hf_head_dim(value) -> int:
     not pass through)."""
     if value is None:
         return 0
-    if not _is_int(value) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"head_dim must be a positive integer, even for rotary embeddings, "
                          f"got {value!r} (null derives it from hidden_size / "
                          "num_attention_heads)")
     return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_number(value) -> bool:
@@ -190,7 +188,7 @@ def _check_llama3(rs: dict) -> None:
     bad = [f"{k}={rs[k]!r}" for k in ("factor", "low_freq_factor", "high_freq_factor")
            if not _positive_number(rs[k])]
     omp = rs["original_max_position_embeddings"]
-    if not _is_int(omp) or omp <= 0:
+    if not is_int(omp) or omp <= 0:
         bad.append(f"original_max_position_embeddings={omp!r}")
     if bad:
         raise ValueError(f"llama3 rope scaling: {', '.join(bad)}; the factors must be positive "
