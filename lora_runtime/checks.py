@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
 def is_int(value) -> bool:
     """An integer of any integral type (numpy's included); bool is not one."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_finite_number(x) -> bool:
+    """A real, finite number; bool is not one (JSON's true would pass as 1)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_positive_number(x) -> bool:
+    return is_finite_number(x) and x > 0

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from lora_runtime.checks import is_int
+from lora_runtime.checks import is_int, is_positive_number
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class LlamaConfig:
                              f"{self.head_dim}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
-            if not _positive_number(value):
+            if not is_positive_number(value):
                 raise ValueError(f"LlamaConfig.{name} must be a positive finite number, got "
                                  f"{value!r}")
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
@@ -152,11 +152,6 @@ def _hf_head_dim(value) -> int:
     return value
 
 
-def _positive_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0 < value < float("inf"))
-
-
 def _given(*values):
     """The first value that is not None (config.json may hold an explicit null)."""
     return next(v for v in values if v is not None)
@@ -186,7 +181,7 @@ def _rope_scaling(rs: dict | None) -> dict | None:
 def _check_llama3(rs: dict) -> None:
     """The values the rotary table divides by (a factor of 0 made it NaN)."""
     bad = [f"{k}={rs[k]!r}" for k in ("factor", "low_freq_factor", "high_freq_factor")
-           if not _positive_number(rs[k])]
+           if not is_positive_number(rs[k])]
     omp = rs["original_max_position_embeddings"]
     if not is_int(omp) or omp <= 0:
         bad.append(f"original_max_position_embeddings={omp!r}")

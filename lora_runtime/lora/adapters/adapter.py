@@ -3,14 +3,13 @@ model before it may enter the pool."""
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from numbers import Real
 
 import torch
 
+from lora_runtime.checks import is_finite_number
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.modules import BY_NAME, LINEAR_TARGETS, in_out_features, module_path
 
@@ -147,11 +146,6 @@ def _check_key(name: str, key, config: LlamaConfig) -> ModuleKey:
         raise AdapterError(f"{where}: layer {layer} does not exist (the model has "
                            f"{config.num_layers})")
     return key
-
-
-def is_finite_number(x) -> bool:
-    """A real, finite number; bool is not one (JSON's true would pass as 1)."""
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def expected_shapes(config: LlamaConfig, target: str, r: int):

@@ -11,13 +11,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from lora_runtime.checks import is_finite_number
 from lora_runtime.lora.adapters.adapter import (
     LINEAR_TARGETS,
     AdapterError,
     LoRAAdapter,
     ModuleKey,
     ModuleLoRA,
-    is_finite_number,
     module_path,
 )
 from lora_runtime.model.modules import BY_NAME
