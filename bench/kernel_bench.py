@@ -6,9 +6,11 @@ against an fp32 computation; a case that fails the check is reported as failed, 
 Rows: one per provider (``triton``, ``triton_shrink``, ``triton_expand``, ``torch``, ``base``,
 and the whole module, base GEMM plus LoRA in one graph: ``module`` as the runtime schedules
 it (``lora_runtime.lora.linear_schedule``: the shrink beside the GEMM), ``module_serial`` in
-one stream); derived:
+one stream), and eagerly (``module_eager``: a lone LoRA layer's eager route, against
+``base_eager``, the GEMM alone; host time included); derived:
 ``x_floor``, ``achieved_gbps``, ``pct_of_base``, ``base_us``, the floors, ``copies``, and on
-module rows ``lora_added_pct``: what LoRA adds to the module's time, as a share of the GEMM's.
+module rows ``lora_added_pct``: what LoRA adds to the module's time, as a share of the GEMM's
+(eager: of the eager GEMM's, rep by rep).
 """
 
 from __future__ import annotations
@@ -18,19 +20,32 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
 from bench.case import Case
 from bench.context import Context
 from bench.lora_check import lora_delta_fp32, relative_error
 from bench.results import make_row
-from bench.timing import bench_time
-from kernels import LoRAWeights, SegmentLayout, lora_expand, lora_shrink, plan_segments
+from bench.timing import Timing, bench_interleaved, bench_time, pair_ratio
+from kernels import (
+    LoRAWeights,
+    SegmentLayout,
+    SegmentSpec,
+    lora_expand,
+    lora_shrink,
+    plan_segments,
+)
 from kernels.reference import expand_reference, shrink_reference
+from lora_runtime.lora.backends import TritonBackend
+from lora_runtime.lora.batch_info import LoRABatchPlan
 from lora_runtime.lora.linear_schedule import lora_linear
 from lora_runtime.model.config import PRESETS, ModuleShape
 from lora_runtime.nvtx import nvtx_range
 
 TORCH_GATHER_LIMIT = 2 * 2**30  # the reference gathers weights per row; beyond this, skip it
+EAGER_COPIES = 8
+"""Weight copies an eager timing cycles through: enough that the GEMM's weights leave L2
+where the device time counts (many rows); eager calls of few rows are host-bound."""
 CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
@@ -134,6 +149,9 @@ def run_case(case: KernelCase, ctx: Context) -> list[dict]:
         provider = "module"
         module, errors["module"] = _time_module(case, layout, plan.token_slots, ctx)
         results.update(module)
+        provider = "module_eager"
+        eager, errors["module_eager"] = _time_eager(case, plan.token_slots, ctx)
+        results.update(eager)
     except VerificationError as e:
         return [make_row(case, ctx.profile, {"provider": provider},
                          verification={"status": "failed", "error": str(e)})]
@@ -144,7 +162,8 @@ def run_case(case: KernelCase, ctx: Context) -> list[dict]:
     rows = []
     for name, (timing, copies) in results.items():
         kind = {"triton_shrink": "shrink", "triton_expand": "expand", "base": "base",
-                "module": "module", "module_serial": "module"}.get(name, "lora")
+                "module": "module", "module_serial": "module", "module_eager": "module",
+                "base_eager": "base"}.get(name, "lora")
         nbytes, flops = fl[kind]
         ceil = ctx.ceilings
         floor_us = max(nbytes / (ceil.copy_gbps * 1e3), flops / (ceil.matmul_tflops * 1e6))
@@ -155,12 +174,17 @@ def run_case(case: KernelCase, ctx: Context) -> list[dict]:
             "achieved_gbps": nbytes / (med * 1e3) if med else None,
             "base_us": base_us,
         }
-        if kind == "module":  # what LoRA adds to the GEMM, in one graph
+        if name.endswith("_eager"):  # against the eager GEMM, rep by rep
+            derived["base_us"] = results["base_eager"][0].median_us
+            if kind == "module":
+                ratio = pair_ratio(timing, results["base_eager"][0])
+                derived["lora_added_pct"] = 100 * (ratio - 1)
+        elif kind == "module":  # what LoRA adds to the GEMM, in one graph
             derived["lora_added_pct"] = 100 * (med - base_us) / base_us if base_us else None
         else:
             derived["pct_of_base"] = 100 * med / base_us if base_us else None
         ver = {"status": "verified", "error": None,
-               "max_rel_err": errors.get(name.split("_")[0]),
+               "max_rel_err": errors.get(name, errors.get(name.split("_")[0])),
                "checks": ["shrink + expand == an fp32 reference (each slot and slice its own "
                           "scaling)"]}
         rows.append(make_row(case, ctx.profile, {"provider": name}, timing=timing,
@@ -254,6 +278,48 @@ def _time_module(case, layout, token_slots, ctx):
                                     f"in fp32: relative error {err:.3g}")
         worst = max(worst, err.item())
     return out, worst
+
+
+def _time_eager(case, token_slots, ctx):
+    """The module called eagerly as a lone LoRA layer runs it, ``LoRABackend.linear`` of a
+    Triton backend prepared for the case's batch (the term in one launch after the GEMM where
+    ``config.one_launch_lora`` allows, else shrink, GEMM and expand), and the GEMM alone
+    (``F.linear``, as the runtime calls it), their calls alternating rep by rep: wall clock
+    of each to the end of its device work, host time included (what an eager step pays).
+    Per weight copy, ``EAGER_COPIES`` of them."""
+    device, k, n = ctx.device, case.shape.in_features, case.shape.out_features
+    fl = floors(case)
+    copies = min(EAGER_COPIES, copies_for(fl["base"][0] + fl["lora"][0], ctx.ceilings.l2_bytes,
+                                          device))
+    each = [(torch.randn(case.tokens, k, dtype=case.dtype, device=device),
+             torch.randn(n, k, dtype=case.dtype, device=device) * k**-0.5,
+             make_weights(case, device)) for _ in range(copies)]
+    slots, lens = case.token_slots()
+    spec = SegmentSpec(tuple(slots), None if lens is None else tuple(lens), case.block_m, None)
+    backend = TritonBackend(case.adapters, device)
+    backend.prepare(LoRABatchPlan(spec, spec))
+    last = {}
+
+    def lora():
+        for x, w, lw in each:
+            last["y"] = backend.linear(lambda v, w=w: F.linear(v, w), x, lw)
+
+    def base():
+        for x, w, _ in each:
+            F.linear(x, w)
+
+    x, w, lw = each[-1]
+    want = torch.mm(x, w.t()).float() + lora_delta_fp32(x, lw, token_slots)
+    with nvtx_range(f"module_eager {case.label}"):
+        t = bench_interleaved({"module_eager": lora, "base_eager": base}, device=device,
+                              reps=ctx.reps, mode="latency")
+    backend.reset_batch_state()
+    err = ((last["y"].float() - want).norm() / want.norm()).item()
+    if not err <= CHECK_TOL[case.dtype]:
+        raise VerificationError(f"{case.label}: module_eager output differs from base + LoRA "
+                                f"in fp32: relative error {err:.3g}")
+    return {name: (Timing([s / copies for s in v.samples_us], v.mode), copies)
+            for name, v in t.items()}, err
 
 
 def _gather_bytes(case: KernelCase) -> int:

@@ -47,14 +47,18 @@ def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                     fmt(d.get("achieved_gbps"), ".0f"), fmt(_med(p.get("triton_shrink"))),
                     fmt(_med(p.get("triton_expand"))), fmt(_med(p.get("torch"))),
                     fmt(_med(p.get("base"))), pct(d.get("pct_of_base")),
-                    _added(p.get("module")), _added(p.get("module_serial"))])
+                    _added(p.get("module")), _added(p.get("module_serial")),
+                    f"{fmt(_med(p.get('base_eager')))} / {fmt(_med(p.get('module_eager')))}",
+                    _added(p.get("module_eager"))])
     return ([*(["set-up"] if several else []), "module", "T", "adapters", "r", "LoRA us",
              "x floor", "GB/s", "shrink us", "expand us", "torch ref us", "base GEMM us",
-             "LoRA % of base", "module: LoRA adds", "one stream: adds"], out)
+             "LoRA % of base", "module: LoRA adds", "one stream: adds",
+             "eager us: GEMM / module", "eager: LoRA adds"], out)
 
 
 def _added(row: dict | None) -> str:
-    """A module row's ``lora_added_pct`` (what LoRA adds to the GEMM, in one graph)."""
+    """A module row's ``lora_added_pct`` (what LoRA adds to the GEMM: in one graph, or eager
+    against the eager GEMM)."""
     return pct(None if not row else row.get("derived", {}).get("lora_added_pct"))
 
 
