@@ -20,7 +20,7 @@ from lora_runtime.lora.lora_config import LoRAConfig
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.llama import LlamaForCausalLM
 
-PROMPTS = {"ad0": [1, 2, 3], "ad1": [4, 5, 6, 7], "ad2": [8, 9]}
+PROMPTS = {"ad0": [1, 2, 3], "ad1": [4, 5, 6, 7], "ad2": [8, 9], "ad3": [5, 5, 1]}
 
 
 def control_rank(rank: int, size: int, out_dir: str) -> None:
@@ -180,4 +180,40 @@ def diverging_rank(rank: int, size: int, out_dir: str) -> None:
     small = ModelRunner(model, KVCache(CONFIG, 100 + 100 * rank, torch.float32, "cpu"), lora)
     attempt("kv", lambda: DPEngine(small, dp, cfg))
     torch.save(log, Path(out_dir, f"diverging{rank}.pt"))
+    shutdown(torch.device("cpu"))
+
+
+def fault_rank(rank: int, size: int, out_dir: str) -> None:
+    """A pin made on one rank only: every rank raises at the next agreement, before any
+    forward (it went unseen: that rank alone found no slot mid-step and its peers' collectives
+    waited), and once it is undone the requests are served."""
+    dp = init_dp(torch.device("cpu"))
+    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
+    shard_mlp(model, dp)
+    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
+    eng = DPEngine(ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora), dp,
+                   SchedulerConfig(max_batch_size=4, max_step_tokens=16), keep_logits=True)
+    for ad in adapters():
+        eng.load_adapter(ad.name, ad)
+    log: dict[str, object] = {}
+
+    def attempt(key, fn):
+        try:
+            log[key] = fn()
+        except (ValueError, RuntimeError) as e:
+            log[key] = f"{type(e).__name__}: {e}"
+
+    eng.generate([[1, 2]], ["ad0"], 2)  # ad0 takes a slot on every rank
+    if rank == 0:
+        eng.pin_adapter("ad0")
+    # With ad0 pinned on rank 0 alone, the union the ranks admit outgrows its slots there.
+    reqs = {a: eng.add_request(PROMPTS[a], a, max_new_tokens=3)
+            for a in (["ad3"] if rank == 0 else ["ad1", "ad2"])}
+    attempt("one rank pins", eng.step)
+    if rank == 0:
+        eng.pin_adapter("ad0", False)  # the fix: pins alike on every rank
+    eng.run()
+    log["outputs"] = {a: (list(r.output), [t.clone() for t in eng.logits[r.id]])
+                      for a, r in reqs.items()}
+    torch.save(log, Path(out_dir, f"fault{rank}.pt"))
     shutdown(torch.device("cpu"))

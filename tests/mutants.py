@@ -461,10 +461,16 @@ MUTANTS = [
            "DP: the ranks compare loaded adapters by name only (other weights under one name "
            "are served, wrong on every rank)",
            "lora_runtime/dp/dp_engine.py",
-           (("            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names])",
-             "            self.lora.pool.owner, names)"),),
+           (("            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names],",
+             "            self.lora.pool.owner, names, (),"),),
            ("tests/test_dp_control.py::test_one_name_with_other_weights_is_refused_on_every_"
             "rank",)),
+    Mutant("dp_digest_without_pins",
+           "DP: the ranks' pins are not compared (a pin on one rank fails there alone, mid-step)",
+           "lora_runtime/dp/dp_engine.py",
+           (("            sorted(self.lora.pool.pinned))", "            ())"),),
+           ("tests/test_dp_control.py::test_a_pin_on_one_rank_is_refused_on_every_rank_before_"
+            "the_forward",)),
     Mutant("dp_refused_generate_leaves_peers",
            "DP: a generate refused on one rank returns at once; the peers' steps pair with its "
            "next call",

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_control_world import PROMPTS, control_rank, diverging_rank, overlap_control_rank
+from dp_control_world import (
+    PROMPTS,
+    control_rank,
+    diverging_rank,
+    fault_rank,
+    overlap_control_rank,
+)
 from dp_world import CONFIG, MAX_RANK, adapters
 from engine_world import compare_with_alone, run_alone
 from runtime_helpers import ALL_TARGETS, make_runtime
@@ -113,3 +119,15 @@ def test_a_call_refused_on_one_rank_leaves_the_ranks_in_step(diverging_logs):
 def test_every_setting_that_shapes_the_steps_must_match(diverging_logs, key, field):
     for log in diverging_logs:
         assert log[key].startswith("ValueError") and f"'{field}'" in log[key], log[key]
+
+
+@pytest.fixture(scope="module")
+def fault_logs(tmp_path_factory):
+    return _spawned_logs(tmp_path_factory, fault_rank, "fault")
+
+
+def test_a_pin_on_one_rank_is_refused_on_every_rank_before_the_forward(fault_logs):
+    for log in fault_logs:
+        said = log["one rank pins"]
+        assert said.startswith("RuntimeError") and "pins or slot tables differ" in said, said
+        _check_alone(log, 3)

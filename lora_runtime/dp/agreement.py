@@ -77,12 +77,15 @@ class StepAgreement:
 
 
 def pool_digest(owners: Sequence[str | None], loaded: Sequence[str] = (),
-                fingerprints: Sequence[int] = ()) -> int:
+                fingerprints: Sequence[int] = (), pinned: Sequence[str] = ()) -> int:
     """A digest of the slot table, of the loaded adapters' names (sorted: they number the
-    agreement's adapter ids) and of their weights' fingerprints (one name may not stand for
-    other weights on another rank) that is the same in every process (``hash`` is not)."""
+    agreement's adapter ids), of their weights' fingerprints (one name may not stand for
+    other weights on another rank) and of the pinned names (sorted: a pin on one rank leaves
+    its slots and admissions apart from the others', and the union its peers admit then fails
+    to fit on that rank alone, mid-step) that is the same in every process (``hash`` is
+    not)."""
     text = ("\x1f".join(o or "" for o in owners) + "\x1e" + "\x1f".join(loaded) + "\x1e"
-            + "\x1f".join(map(str, fingerprints)))
+            + "\x1f".join(map(str, fingerprints)) + "\x1e" + "\x1f".join(pinned))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
@@ -119,10 +122,10 @@ class HostExchange:
                                                       self.max_adapters))
         ranks = tuple(_unpack(row) for row in rows)
         if len({r.pool_digest for r in ranks}) != 1:
-            raise RuntimeError(f"{self.dp.name}: the ranks' loaded adapters or slot tables "
-                               f"differ ({[r.pool_digest for r in ranks]}): adapters must be "
-                               "loaded from the same weights, pinned and unloaded on every "
-                               "rank in the same order")
+            raise RuntimeError(f"{self.dp.name}: the ranks' loaded adapters, pins or slot "
+                               f"tables differ ({[r.pool_digest for r in ranks]}): adapters "
+                               "must be loaded from the same weights, pinned and unloaded on "
+                               "every rank in the same order")
         return decide(ranks)
 
     def confirm(self, choice: tuple[int, ...]) -> None:

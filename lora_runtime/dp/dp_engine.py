@@ -236,7 +236,8 @@ class DPEngine(Engine):
         ids = {n: i for i, n in enumerate(names)}
         running = sorted(ids[a] for a in self.scheduler.running_adapters())
         digest = 0 if self.lora is None else pool_digest(
-            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names])
+            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names],
+            sorted(self.lora.pool.pinned))
         work = self.scheduler.has_work
         if plan is None:
             return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work,
