@@ -47,6 +47,9 @@ class LoRAWeights:
     depends on the weights alone is checked once per input signature, not per launch."""
     expand_checked: tuple | None = field(default=None, compare=False, repr=False)
     """``(lora_b, y dtype, y device)``, the same for ``check_expand_args``."""
+    one_launch_checked: tuple | None = field(default=None, compare=False, repr=False)
+    """``(tensors held, signature, launch arguments)`` of the last signature
+    ``kernels.shrink_expand.lora_shrink_expand`` checked in full."""
     unshrunk_checked: tuple | None = field(default=None, compare=False, repr=False)
     """``(row_constants, signature, launch arguments)`` of the input/output signature
     ``kernels.row_lora.UnshrunkLoRA.check`` passed in full (a term a consumer computes from

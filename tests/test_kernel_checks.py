@@ -168,6 +168,35 @@ def test_mismatches_are_named_after_good_launches_too():
         lora_expand(lora_shrink(x, w, layout), w, y, layout)
 
 
+def test_one_launch_reuses_its_checked_arguments_only_for_the_same_signature():
+    """``lora_shrink_expand`` keeps its checked launch arguments for one signature: another
+    layout of as many rows, a new ranks table or a batch of other rows must not be served
+    with the kept ones."""
+    from kernels import lora_shrink_expand
+
+    def run(x, w, layout):
+        y = torch.zeros(x.shape[0], 12, device=DEVICE)
+        lora_shrink_expand(x, w, y, layout)
+        return y
+
+    def want(x, w, slots):
+        y = torch.zeros(x.shape[0], 12, device=DEVICE)
+        lora_expand(lora_shrink(x, w, layouts[slots]), w, y, layouts[slots])
+        return y
+
+    w, layout, x = _setup()
+    layouts = {s: SegmentLayout.from_plan(plan_segments(list(s), block_m=16), DEVICE)
+               for s in ((0, 1, 2, 0, 1), (1, 1, 0, 2, 0))}
+    first, other = layouts
+    assert torch.allclose(run(x, w, layouts[first]), want(x, w, first), atol=1e-5)
+    assert torch.allclose(run(x, w, layouts[other]), want(x, w, other), atol=1e-5)
+    w.ranks = w.ranks.clone()
+    w.ranks[1] = 2  # a new table object: slot 1 keeps two of its four rows
+    assert torch.allclose(run(x, w, layouts[other]), want(x, w, other), atol=1e-5)
+    with pytest.raises(ValueError, match="covers 5 rows but the input has 3"):
+        run(x[:3], w, layouts[other])
+
+
 @pytest.mark.parametrize("widths, align", [([4096, 1024, 1024], 16), ([14336, 14336], 16),
                                            ([24, 8], 8), ([20, 12, 36], 4), ([7], 1),
                                            ([16, 3], 1)])
