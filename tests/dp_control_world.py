@@ -186,7 +186,11 @@ def diverging_rank(rank: int, size: int, out_dir: str) -> None:
 def fault_rank(rank: int, size: int, out_dir: str) -> None:
     """A pin made on one rank only: every rank raises at the next agreement, before any
     forward (it went unseen: that rank alone found no slot mid-step and its peers' collectives
-    waited), and once it is undone the requests are served."""
+    waited), and once it is undone the requests are served. Then rank 0's forward raises
+    mid-step: every later call of that rank raises, naming the fault, without a collective
+    (a step retried there paired its agreement with rank 1's MLP all-gather, and gloo aborted
+    the process); rank 1 fails in its collective once rank 0 has gone, and so do its later
+    calls."""
     dp = init_dp(torch.device("cpu"))
     model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
     shard_mlp(model, dp)
@@ -215,5 +219,19 @@ def fault_rank(rank: int, size: int, out_dir: str) -> None:
     eng.run()
     log["outputs"] = {a: (list(r.output), [t.clone() for t in eng.logits[r.id]])
                       for a, r in reqs.items()}
+    eng.add_request(PROMPTS["ad1"], "ad1", max_new_tokens=4)
+    eng.step()
+    if rank == 0:
+        real = eng.runner.forward_eager
+
+        def fail_once(batch):
+            eng.runner.forward_eager = real
+            raise RuntimeError("injected fault")
+
+        eng.runner.forward_eager = fail_once
+    attempt("fault", eng.step)  # rank 1 waits in the MLP's all-gather until rank 0 has gone
+    attempt("step after", eng.step)
+    attempt("unload after", lambda: eng.unload_adapter("ad3"))
     torch.save(log, Path(out_dir, f"fault{rank}.pt"))
-    shutdown(torch.device("cpu"))
+    # No shutdown: the ranks' collectives no longer pair; this process leaving is rank 1's
+    # error.

@@ -471,6 +471,13 @@ MUTANTS = [
            (("            sorted(self.lora.pool.pinned))", "            ())"),),
            ("tests/test_dp_control.py::test_a_pin_on_one_rank_is_refused_on_every_rank_before_"
             "the_forward",)),
+    Mutant("dp_forward_fault_retried",
+           "DP: a rank whose forward raised mid-step steps again: its agreement pairs with a "
+           "peer's MLP all-gather (gloo aborts the process)",
+           "lora_runtime/dp/dp_engine.py",
+           (("            self._fault = f\"{type(e).__name__}: {e}\"\n", ""),),
+           ("tests/test_dp_control.py::test_a_forward_that_raised_on_one_rank_stops_its_later_"
+            "calls",)),
     Mutant("dp_refused_generate_leaves_peers",
            "DP: a generate refused on one rank returns at once; the peers' steps pair with its "
            "next call",

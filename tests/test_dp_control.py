@@ -131,3 +131,14 @@ def test_a_pin_on_one_rank_is_refused_on_every_rank_before_the_forward(fault_log
         said = log["one rank pins"]
         assert said.startswith("RuntimeError") and "pins or slot tables differ" in said, said
         _check_alone(log, 3)
+
+
+def test_a_forward_that_raised_on_one_rank_stops_its_later_calls(fault_logs):
+    first, second = fault_logs
+    assert first["fault"] == "RuntimeError: injected fault"
+    assert second["fault"].startswith("RuntimeError")  # gloo: the peer closed the connection
+    for log in fault_logs:
+        for key in ("step after", "unload after"):
+            said = log[key]
+            assert "a forward raised on this rank mid-step" in said, said
+            assert "restart every rank" in said

@@ -68,11 +68,15 @@ class DPEngine(Engine):
         self._steps = 0
         self._agreed: StepAgreement | None = None
         """The agreement of the step being launched (``forward`` runs what it decided)."""
+        self._fault: str | None = None
+        """The error of a forward that raised on this rank: its collectives and the peers'
+        no longer pair, so every later call raises (``_check_in_step``)."""
 
     # -- adapters: every rank makes the same calls in the same order -------------------------
     def unload_adapter(self, name: str) -> None:
         """Refused on every rank while a request of any rank uses it (one host all-gather)."""
         self._manager("unload_adapter")
+        self._check_in_step()
         mine = any(r.adapter == name for r in (*self.scheduler.waiting, *self.scheduler.running))
         users = self.host.ranks_with(mine, "unload_adapter")
         if users:
@@ -105,6 +109,7 @@ class DPEngine(Engine):
     def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
         """``Engine.warm_up`` on every rank, or on none: a rank that refuses it (requests
         queued, an adapter not loaded) makes every rank raise before any warm-up step."""
+        self._check_in_step()
         try:
             check_warm_up(self, adapters)
             error = None
@@ -128,11 +133,21 @@ class DPEngine(Engine):
                 break
         return self.finished
 
-    def _step(self) -> list[tuple[Request, int]]:
+    def _check_in_step(self) -> None:
+        """Raises where this rank left the ranks' lockstep: its next host collective would
+        pair with a peer's model collective (gloo aborts the process) or another step's."""
         if self._unread is not None:  # reading it on this rank alone would desert the others
             raise RuntimeError(f"{self.dp.name}: an interrupt stopped the read of a step's "
                                "tokens on this rank; DP does not recover from faults (the "
                                "other ranks' collectives went on): restart every rank")
+        if self._fault is not None:
+            raise RuntimeError(f"{self.dp.name}: a forward raised on this rank mid-step "
+                               f"({self._fault}); its collectives and the other ranks' no "
+                               "longer pair, and DP does not recover from faults: restart "
+                               "every rank")
+
+    def _step(self) -> list[tuple[Request, int]]:
+        self._check_in_step()
         if not self.overlap:
             cur = self._launch_agreed(self._start_step())
             return [] if cur is None else self._finish(cur)
@@ -222,10 +237,16 @@ class DPEngine(Engine):
             with phase("collective"):
                 self.host.confirm((ag.rows_per_rank, -1 if bucket is None else bucket,
                                    int(lora)))
-        if bucket is None:
-            return self.runner.forward_eager(batch), None
-        g = self._graphs_for(ag.mode)
-        return g.replay(batch, bucket, g.variant_for(batch, lora)), g
+        try:
+            if bucket is None:
+                return self.runner.forward_eager(batch), None
+            g = self._graphs_for(ag.mode)
+            return g.replay(batch, bucket, g.variant_for(batch, lora)), g
+        except BaseException as e:
+            # Hazard: the peers may be inside the step's collectives; retried, this rank's
+            # next host all-gather would pair with one of them.
+            self._fault = f"{type(e).__name__}: {e}"
+            raise
 
     def _choose(self, ag: StepAgreement) -> tuple[int | None, bool]:
         """The bucket (None: eager) and variant this rank runs: the agreed ones."""
