@@ -184,7 +184,10 @@ def diverging_rank(rank: int, size: int, out_dir: str) -> None:
 
 
 def fault_rank(rank: int, size: int, out_dir: str) -> None:
-    """A pin made on one rank only: every rank raises at the next agreement, before any
+    from graphs.runner import GraphRunner
+
+    """Graphs none of which was captured: every step runs eagerly, as a single engine's do.
+    A pin made on one rank only: every rank raises at the next agreement, before any
     forward (it went unseen: that rank alone found no slot mid-step and its peers' collectives
     waited), and once it is undone the requests are served. Then rank 0's forward raises
     mid-step: every later call of that rank raises, naming the fault, without a collective
@@ -207,6 +210,10 @@ def fault_rank(rank: int, size: int, out_dir: str) -> None:
         except (ValueError, RuntimeError) as e:
             log[key] = f"{type(e).__name__}: {e}"
 
+    # Graphs whose capture failed (none captured, on every rank): the steps run eagerly.
+    uncaptured = DPEngine(eng.runner, dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16),
+                          [GraphRunner.decode(eng.runner, [1, 4], 48)], keep_logits=True)
+    attempt("uncaptured", lambda: uncaptured.generate([PROMPTS["ad2"]], ["ad2"], 3))
     eng.generate([[1, 2]], ["ad0"], 2)  # ad0 takes a slot on every rank
     if rank == 0:
         eng.pin_adapter("ad0")
@@ -219,6 +226,9 @@ def fault_rank(rank: int, size: int, out_dir: str) -> None:
     eng.run()
     log["outputs"] = {a: (list(r.output), [t.clone() for t in eng.logits[r.id]])
                       for a, r in reqs.items()}
+    req = uncaptured.finished[0] if uncaptured.finished else None
+    log["uncaptured outputs"] = {} if req is None else {
+        "ad2": (list(req.output), [t.clone() for t in uncaptured.logits[req.id]])}
     eng.add_request(PROMPTS["ad1"], "ad1", max_new_tokens=4)
     eng.step()
     if rank == 0:

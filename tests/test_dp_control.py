@@ -126,6 +126,14 @@ def fault_logs(tmp_path_factory):
     return _spawned_logs(tmp_path_factory, fault_rank, "fault")
 
 
+def test_graphs_none_captured_leave_the_steps_eager(fault_logs):
+    """As in a single engine (a capture that failed leaves no graph): they replayed, and
+    every step raised that no graph was captured."""
+    for log in fault_logs:
+        assert len(log["uncaptured"][0]) == 3, log["uncaptured"]
+        _check_alone({"outputs": log["uncaptured outputs"]}, 3)
+
+
 def test_a_pin_on_one_rank_is_refused_on_every_rank_before_the_forward(fault_logs):
     for log in fault_logs:
         said = log["one rank pins"]

@@ -264,7 +264,7 @@ class DPEngine(Engine):
             return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work,
                             may_run_ahead)
         g = self._graphs_for(plan.mode)
-        own = None if g is None else g.bucket_for(batch)
+        own = g.bucket_for(batch) if g is not None and g.can_run(batch) else None  # captured
         return RankStep(plan.mode, tuple(-1 if r.adapter is None else ids[r.adapter]
                                          for r in plan.requests),
                         tuple(plan.chunks), NO_GRAPH if own is None else own, tuple(running),
