@@ -147,6 +147,18 @@ def test_pinned_adapters_count_against_the_slots(world):
     assert all(len(set(s.adapters) | {pinned}) <= w.slots for s in eng.timeline)
 
 
+def test_pinning_an_adapter_not_loaded_names_that(world):
+    """With every slot held, pinning a name that is not loaded (a typo) said to unpin an
+    adapter or wait for requests: doing so, the pin failed again, as not loaded."""
+    w = world
+    eng = w.engine(SchedulerConfig())
+    held = [w.new_adapter(eng, pinned=True) for _ in range(w.slots)]
+    for pinned in (True, False):
+        with pytest.raises(KeyError, match="'typo' is not loaded .* Engine.load_adapter"):
+            eng.pin_adapter("typo", pinned)
+    assert eng.lora.pool.pinned == set(held)
+
+
 def test_overtaking_is_bounded(world):
     """The oldest request needs a third adapter while two others keep arriving with the two
     running ones: after max_overtake_steps the engine stops admitting them and serves it."""

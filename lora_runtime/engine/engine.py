@@ -203,6 +203,9 @@ class Engine:
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         lora = self._manager("pin_adapter")
+        if name not in lora.adapters:  # before the slot count, which would name the wrong fix
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(lora.adapters)}); "
+                           "load it with Engine.load_adapter first")
         if pinned:
             self._check_pin(name)
         lora.pin_adapter(name, pinned)
