@@ -40,6 +40,7 @@ DP = ["--preset", "tiny", "--layers", "1", "--requests-per-rank", "1", "--prompt
     (["--prompt", "x"], "argument --prompt: 'x' is not an integer"),
     (["--requests-per-rank", "0"], "--requests-per-rank"),
     (["--timeout", "0"], "--timeout"),
+    (["--timeout", "inf"], "--timeout must be a finite number"),
 ])
 def test_dp_bench_refuses_bad_sizes_before_spawning(monkeypatch, capsys, tmp_path, argv, says):
     monkeypatch.setattr(dp_bench, "spawn", _never)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lora_runtime.checks import is_positive_number
+
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -32,12 +34,13 @@ class DPGroup:
 
 def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     """Joins the group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT). GPUs: rank r uses cuda:LOCAL_RANK."""
+    MASTER_PORT). GPUs: rank r uses cuda:LOCAL_RANK. The collectives' timeout: DP_TIMEOUT_S
+    where set, else ``timeout_s``, else ``DEFAULT_TIMEOUT_S``."""
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: launch the ranks with torchrun or "
                                "lora_runtime.dp.launch.spawn")
-    timeout_s = float(os.environ.get("DP_TIMEOUT_S", timeout_s or DEFAULT_TIMEOUT_S))
+    timeout_s = _timeout_s(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
@@ -47,6 +50,28 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
         dist.group.WORLD
     return DPGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, cpu_group,
                    timeout_s)
+
+
+def _timeout_s(timeout_s: float | None) -> float:
+    """The collectives' timeout in seconds: a finite number > 0 (0 timed the first connection
+    out at once, NaN and text raised from the conversion naming neither, and an explicit 0
+    was read as the default)."""
+    env = os.environ.get("DP_TIMEOUT_S")
+    if env is not None:
+        try:
+            value = float(env)
+        except ValueError:
+            value = None
+        if value is None or not is_positive_number(value):
+            raise ValueError(f"DP_TIMEOUT_S={env!r}: set it to a finite number of seconds > 0 "
+                             "(the collectives' timeout), or unset it")
+        return value
+    if timeout_s is None:
+        return DEFAULT_TIMEOUT_S
+    if not is_positive_number(timeout_s):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0 (the collectives' "
+                         f"timeout), got {timeout_s!r}")
+    return float(timeout_s)
 
 
 def shutdown(device: torch.device) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+from lora_runtime.checks import is_int, is_positive_number
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,8 +23,11 @@ def free_port() -> int:
 def spawn(fn: Callable, size: int, *args, timeout_s: float = 60.0) -> None:
     """Runs ``fn(rank, *args)`` on ``size`` ranks and waits for all of them. ``timeout_s``
     bounds every collective (a dead rank stops the others within it)."""
-    if size < 1:
-        raise ValueError(f"DP size must be >= 1, got {size}")
+    if not is_int(size) or size < 1:
+        raise ValueError(f"DP size must be an integer >= 1, got {size!r}")
+    if not is_positive_number(timeout_s):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0 (the collectives' "
+                         f"timeout), got {timeout_s!r}")
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(size), "DP_TIMEOUT_S": str(timeout_s)}
     mp.start_processes(_entry, args=(fn, env, args), nprocs=size, join=True,
