@@ -1,11 +1,16 @@
 """The DP group's collective timeout and ``spawn``'s arguments: values that are not a finite
 number of seconds > 0, or a size that is not an integer, are refused naming the input, before
-any process group or process starts."""
+any process group or process starts; a group the caller made keeps its own timeout, the DP
+collectives run under theirs."""
 
 from __future__ import annotations
 
+import datetime
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from lora_runtime.dp.group import init_dp
 from lora_runtime.dp.launch import free_port, spawn
@@ -42,3 +47,27 @@ def test_a_bad_timeout_argument_is_refused_naming_it(rank_env, value):
 def test_spawn_refuses_bad_arguments_before_starting(kwargs, says):
     with pytest.raises(ValueError, match=says):
         spawn(print, **kwargs)
+
+
+def _caller_made_the_group(rank: int) -> None:
+    """Rank 0 enters a DP collective that rank 1 never joins: it must fail within the DP
+    timeout (2 s, from ``spawn``), not the caller's group's 60 s."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dp = init_dp(torch.device("cpu"))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["rank0_done"], datetime.timedelta(seconds=120))
+        return
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=dp.cpu_group)
+        waited = None
+    except RuntimeError:
+        waited = time.monotonic() - t0
+    store.set("rank0_done", "1")
+    assert waited is not None, "a collective that rank 1 never joined returned"
+    assert waited < 30, f"the DP collective waited {waited:.0f} s: the caller's timeout"
+
+
+def test_a_group_the_caller_made_keeps_its_timeout_and_dp_uses_its_own():
+    spawn(_caller_made_the_group, 2, timeout_s=2)

@@ -43,13 +43,16 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     timeout_s = _timeout_s(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        # The caller's group keeps the caller's timeout (torch's default: 10-30 minutes, which
+        # a dead rank's peers would wait out): the DP collectives get a group of their own.
+        group = dist.new_group(backend=backend, timeout=timeout)
+    else:
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timeout, **kwargs)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else \
-        dist.group.WORLD
-    return DPGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, cpu_group,
-                   timeout_s)
+        group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else group
+    return DPGroup(dist.get_rank(), dist.get_world_size(), group, cpu_group, timeout_s)
 
 
 def _timeout_s(timeout_s: float | None) -> float:
