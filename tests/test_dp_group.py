@@ -6,6 +6,8 @@ collectives run under theirs."""
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import time
 
 import pytest
@@ -51,22 +53,28 @@ def test_spawn_refuses_bad_arguments_before_starting(kwargs, says):
 
 def _caller_made_the_group(rank: int) -> None:
     """Rank 0 enters a DP collective that rank 1 never joins: it must fail within the DP
-    timeout (2 s, from ``spawn``), not the caller's group's 60 s."""
+    timeout (2 s, from ``spawn``), not the caller's group's 60 s. Both ranks leave by
+    ``os._exit``: tearing down gloo pairs after a timed-out collective aborts the process."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     dp = init_dp(torch.device("cpu"))
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         store.wait(["rank0_done"], datetime.timedelta(seconds=120))
-        return
+        store.set("rank1_done", "1")
+        os._exit(0)
     t0 = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=dp.cpu_group)
-        waited = None
+        fault = "a collective that rank 1 never joined returned"
     except RuntimeError:
         waited = time.monotonic() - t0
+        fault = f"the DP collective waited {waited:.0f} s: the caller's timeout" if (
+            waited > 30) else None
     store.set("rank0_done", "1")
-    assert waited is not None, "a collective that rank 1 never joined returned"
-    assert waited < 30, f"the DP collective waited {waited:.0f} s: the caller's timeout"
+    store.wait(["rank1_done"], datetime.timedelta(seconds=120))
+    if fault:
+        print(fault, file=sys.stderr, flush=True)
+    os._exit(1 if fault else 0)
 
 
 def test_a_group_the_caller_made_keeps_its_timeout_and_dp_uses_its_own():
