@@ -325,3 +325,14 @@ def test_graphs_built_on_another_runner_are_refused(world):
     with pytest.raises(ValueError, match=r"graphs\[1\] was built on another ModelRunner"):
         Engine(world.runner, SchedulerConfig(), [own, other])
     assert Engine(world.runner, SchedulerConfig(), [own]).graphs == [own]
+
+
+@pytest.mark.parametrize("size", [True, 2.5, "64", 0, -1])
+def test_a_kv_cache_size_that_is_not_an_integer_above_0_is_refused(size):
+    """``True`` built a one-slot cache and 2.5 failed inside torch, naming neither."""
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        KVCache(tiny(1), size, torch.float32, "cpu")
+
+
+def test_a_kv_cache_size_of_a_numpy_integer_is_taken():
+    assert KVCache(tiny(1), numpy.int64(3), torch.float32, "cpu").free_slots == 3

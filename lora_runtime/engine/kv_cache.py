@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from lora_runtime.checks import is_int
 from lora_runtime.model.config import LlamaConfig
 
 
@@ -12,8 +13,8 @@ class KVCache:
     SCRATCH = 0
 
     def __init__(self, config: LlamaConfig, max_tokens: int, dtype: torch.dtype, device) -> None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not is_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1 (KV slots), got {max_tokens!r}")
         shape = (max_tokens + 1, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
