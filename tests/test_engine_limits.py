@@ -159,6 +159,32 @@ def test_pinning_an_adapter_not_loaded_names_that(world):
     assert eng.lora.pool.pinned == set(held)
 
 
+@pytest.mark.parametrize("newcomer", ["pin", "prefill"])
+def test_eviction_takes_an_idle_adapter_before_a_running_requests(world, newcomer):
+    """A request decoding on X sits out a prefill step (only prefilling requests run), and
+    a request on W ran since and finished: a new adapter (a pin, a prefill's) then evicted X,
+    the least recently used, and X's next decode step wrote it back; it evicts W now."""
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=4))
+    x, idle, new = (w.new_adapter(eng) for _ in range(3))
+    decoding = eng.add_request([3, 4], x, max_new_tokens=6)
+    eng.step()
+    eng.step()  # prefill, then a decode: X is older than what follows
+    eng.add_request([5], idle, max_new_tokens=1)
+    eng.step()  # the prefill of W alone, which ends it
+    assert eng.lora.pool.slot_of.keys() == {x, idle} and not decoding.done
+    if newcomer == "pin":
+        eng.pin_adapter(new)
+    else:
+        eng.add_request([7, 8], new, max_new_tokens=2)
+        eng.step()  # the newcomer's prefill
+    writes = eng.lora.writer.writes
+    assert eng.lora.pool.slot_of.keys() == {x, new}
+    eng.run()
+    assert decoding.done and eng.lora.writer.writes == writes
+    assert decoding.output == [int(t.argmax()) for t in w.alone(decoding)][:len(decoding.output)]
+
+
 def test_overtaking_is_bounded(world):
     """The oldest request needs a third adapter while two others keep arriving with the two
     running ones: after max_overtake_steps the engine stops admitting them and serves it."""

@@ -89,6 +89,11 @@ class DPEngine(Engine):
         every rank decides a pin alike)."""
         return self._known | self.scheduler.running_adapters()
 
+    def _evict_last(self) -> set[str]:
+        """The agreed union of the ranks' running adapters: the same on every rank (a rank's
+        own would make its evictions, and so its slots, differ from its peers')."""
+        return self._known
+
     def _adapter_order(self) -> list[str]:
         return sorted(self.lora.adapters) if self.lora is not None else []
 
@@ -232,6 +237,7 @@ class DPEngine(Engine):
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """The agreed forward of the step being launched (``_launch_agreed``)."""
         ag = self._agreed
+        self._hint_eviction()
         bucket, lora = self._choose(ag)
         if self.verify:
             with phase("collective"):

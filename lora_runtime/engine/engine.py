@@ -229,6 +229,7 @@ class Engine:
         return self.lora
 
     def _check_pin(self, name: str) -> None:
+        self._hint_eviction()
         need = self._adapters_in_use() | set(self.lora.pool.pinned) | {name}
         if len(need) > self.lora.config.max_loras_per_batch:
             raise ValueError(
@@ -239,6 +240,14 @@ class Engine:
 
     def _adapters_in_use(self) -> set[str]:
         """The adapters a pin must leave room for: the running requests'."""
+        return self.scheduler.running_adapters()
+
+    def _hint_eviction(self) -> None:
+        """Tells the manager which adapters to evict last (``LoRAManager.evict_last``)."""
+        if self.lora is not None:
+            self.lora.evict_last = frozenset(self._evict_last())
+
+    def _evict_last(self) -> set[str]:
         return self.scheduler.running_adapters()
 
     def _discard_all(self) -> None:
@@ -444,6 +453,7 @@ class Engine:
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """Logits of the batch's requests: a graph replay when one fits, else eager."""
+        self._hint_eviction()
         for g in self.graphs:
             if g.can_run(batch):
                 return g.replay(batch), g

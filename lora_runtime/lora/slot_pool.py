@@ -1,5 +1,6 @@
 """Which adapter sits in which GPU slot; LRU eviction that never evicts an adapter of the
-batch being prepared, nor a pinned one. Pure bookkeeping: the manager copies the weights."""
+batch being prepared, nor a pinned one, and takes the ``spare`` ones (the running requests')
+last. Pure bookkeeping: the manager copies the weights."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ class SlotPool:
         """Bumped by every change of ``slot_of`` (a plan of equal adapter names at the same
         version gets the same slots)."""
 
-    def plan(self, names: Iterable[str],
-             protected: Iterable[str] = ()) -> list[tuple[int, str, str | None]]:
+    def plan(self, names: Iterable[str], protected: Iterable[str] = (),
+             spare: Iterable[str] = ()) -> list[tuple[int, str, str | None]]:
         """(slot, adapter, evicted) for each adapter of ``names`` not yet in a slot, never
-        evicting ``protected`` ones (a batch already prepared). Raises before changing
+        evicting ``protected`` ones (a batch already prepared), and ``spare`` ones only where
+        no other is left (least recently used first within each). Raises before changing
         anything when they cannot all fit."""
         wanted = set(names)
         if all(n in self.slot_of for n in wanted):
@@ -39,8 +41,9 @@ class SlotPool:
             )
         missing = sorted(n for n in wanted if n not in self.slot_of)
         free = [s for s, o in enumerate(self.owner) if o is None]
+        spare = set(spare)
         victims = sorted((o for o in self.owner if o is not None and o not in keep),
-                         key=lambda o: self._last_use.get(o, -1))
+                         key=lambda o: (o in spare, self._last_use.get(o, -1)))
         if len(missing) > len(free) + len(victims):
             raise SlotPoolError(
                 f"no slot for {missing[len(free) + len(victims):]}: every slot holds an adapter "
