@@ -4,6 +4,7 @@ happened on this rank; ``tests/test_dp_control.py`` compares the ranks."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -25,11 +26,8 @@ PROMPTS = {"ad0": [1, 2, 3], "ad1": [4, 5, 6, 7], "ad2": [8, 9], "ad3": [5, 5, 1
 
 def control_rank(rank: int, size: int, out_dir: str) -> None:
     dp = init_dp(torch.device("cpu"))
-    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
-    shard_mlp(model, dp)
-    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
-    eng = DPEngine(ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora), dp,
-                   SchedulerConfig(max_batch_size=4, max_step_tokens=16), keep_logits=True)
+    eng = DPEngine(_sharded_runner(dp), dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16),
+                   keep_logits=True)
     ads = adapters()
     # The same adapters in another order on each rank: their names, not the order, count.
     for ad in ads if rank == 0 else ads[::-1]:
@@ -120,10 +118,8 @@ def diverging_rank(rank: int, size: int, out_dir: str) -> None:
     from graphs.runner import GraphRunner
 
     dp = init_dp(torch.device("cpu"))
-    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
-    shard_mlp(model, dp)
-    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
-    runner = ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora)
+    runner = _sharded_runner(dp)
+    model, lora = runner.model, runner.lora
     cfg = SchedulerConfig(max_batch_size=4, max_step_tokens=16)
     eng = DPEngine(runner, dp, cfg, keep_logits=True)
     ads = adapters()
@@ -133,12 +129,7 @@ def diverging_rank(rank: int, size: int, out_dir: str) -> None:
             ad = replace(ad, modules=mods)
         eng.load_adapter(ad.name, ad)
     log: dict[str, object] = {}
-
-    def attempt(key, fn):
-        try:
-            log[key] = fn()
-        except (ValueError, RuntimeError) as e:
-            log[key] = f"{type(e).__name__}: {e}"
+    attempt = functools.partial(_attempt, log)
 
     attempt("same name, other weights", lambda: eng.generate([PROMPTS["ad0"]], ["ad0"], 6))
     eng.unload_adapter("ad1")  # the fix, on every rank; the request on ad0 stays queued
@@ -195,20 +186,12 @@ def fault_rank(rank: int, size: int, out_dir: str) -> None:
     the process); rank 1 fails in its collective once rank 0 has gone, and so do its later
     calls."""
     dp = init_dp(torch.device("cpu"))
-    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
-    shard_mlp(model, dp)
-    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
-    eng = DPEngine(ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora), dp,
-                   SchedulerConfig(max_batch_size=4, max_step_tokens=16), keep_logits=True)
+    eng = DPEngine(_sharded_runner(dp), dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16),
+                   keep_logits=True)
     for ad in adapters():
         eng.load_adapter(ad.name, ad)
     log: dict[str, object] = {}
-
-    def attempt(key, fn):
-        try:
-            log[key] = fn()
-        except (ValueError, RuntimeError) as e:
-            log[key] = f"{type(e).__name__}: {e}"
+    attempt = functools.partial(_attempt, log)
 
     # Graphs whose capture failed (none captured, on every rank): the steps run eagerly.
     uncaptured = DPEngine(eng.runner, dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16),
@@ -245,3 +228,19 @@ def fault_rank(rank: int, size: int, out_dir: str) -> None:
     torch.save(log, Path(out_dir, f"fault{rank}.pt"))
     # No shutdown: the ranks' collectives no longer pair; this process leaving is rank 1's
     # error.
+
+
+def _sharded_runner(dp) -> ModelRunner:
+    """The tiny model with its MLP sharded over ``dp``, SLOTS LoRA slots (torch backend)."""
+    model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
+    shard_mlp(model, dp)
+    lora = LoRAManager(model, LoRAConfig(SLOTS, 8, ALL_TARGETS, "torch"))
+    return ModelRunner(model, KVCache(CONFIG, 200, torch.float32, "cpu"), lora)
+
+
+def _attempt(log: dict, key: str, fn) -> None:
+    """``log[key]``: what ``fn()`` returned, or the error it raised, as text."""
+    try:
+        log[key] = fn()
+    except (ValueError, RuntimeError) as e:
+        log[key] = f"{type(e).__name__}: {e}"
