@@ -79,3 +79,28 @@ def test_saved_base_embeddings_must_equal_the_model_s(tmp_path, dtype, scale, lo
         with pytest.raises(AdapterError, match="differ from the model's"):
             runner.lora.load_adapter("ad", path)
         assert "ad" not in runner.lora.adapters
+
+
+def test_saved_bf16_base_embeddings_load_on_an_fp16_model_of_them(tmp_path):
+    """A bf16 checkpoint served in fp16: PEFT saved the adapter's embed_tokens base layer in
+    bf16, the model holds its fp16 rounding. Neither dtype is coarser everywhere: below fp16's
+    normal range (6.1e-5) fp16 rounds to multiples of 2**-24, so a tiny weight moves by more
+    than a bf16 rounding of itself (a 32000 x 256 embedding ~N(0, 0.02) has ~600 such). They
+    are one base; a copy that differs by more is still refused."""
+    runner = make_runtime(CFG, dtype=torch.float16, device="cpu", slots=1, max_rank=8,
+                          targets=ALL_TARGETS)
+    g = torch.Generator().manual_seed(0)
+    ckpt = (torch.randn(CFG.vocab_size, CFG.hidden_size, generator=g) * 0.02).to(torch.bfloat16)
+    ckpt[5, :4] = torch.tensor([1e-7, -3e-7, 2e-6, -1e-6])  # fp16 subnormals
+    runner.model.model.embed_tokens.base.weight.data.copy_(ckpt)  # the model's fp16 rounding
+    for name, saved, loads in (("ad", ckpt, True), ("off", ckpt * 1.02, False)):
+        path = _saved(tmp_path / name, ("embed_tokens",), target_modules=["embed_tokens"])
+        weights = load_file(str(path / "adapter_model.safetensors"))
+        weights["base_model.model.model.embed_tokens.base_layer.weight"] = saved
+        save_file(weights, str(path / "adapter_model.safetensors"))
+        if loads:
+            runner.lora.load_adapter(name, path)
+        else:
+            with pytest.raises(AdapterError, match="differ from the model's"):
+                runner.lora.load_adapter(name, path)
+            assert name not in runner.lora.adapters

@@ -203,10 +203,15 @@ class LoRAManager:
             layer = own[target]
             w = getattr(layer, "base", layer).weight
             # Equal up to one rounding to the coarser dtype (a bf16 copy of float32 weights):
-            # PEFT would serve the adapter's own weights where they differ by more.
+            # PEFT would serve the adapter's own weights where they differ by more. Below a
+            # dtype's normal range its rounding is absolute (fp16: multiples of 2**-24, where
+            # bf16 still has 8 bits): a bf16 checkpoint served in fp16 moves tiny weights by
+            # more than a bf16 rounding of themselves.
             lo = max((t.dtype, w.dtype), key=lambda d: torch.finfo(d).eps)
+            floor = max(torch.finfo(d).smallest_normal * torch.finfo(d).eps
+                        for d in (t.dtype, w.dtype))
             a, b = t.to(w.device, lo).float(), w.to(lo).float()
-            if not torch.allclose(a, b, rtol=torch.finfo(lo).eps, atol=0.0):
+            if not torch.allclose(a, b, rtol=torch.finfo(lo).eps, atol=floor):
                 raise AdapterError(
                     f"adapter {adapter.name!r} carries its own {target} weights that differ "
                     "from the model's (a resized or trained vocabulary); this runtime serves "
