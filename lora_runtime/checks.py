@@ -12,8 +12,15 @@ def is_int(value) -> bool:
 
 
 def is_finite_number(x) -> bool:
-    """A real, finite number; bool is not one (JSON's true would pass as 1)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    """A real, finite number; bool is not one (JSON's true would pass as 1), nor an integer
+    past float's range (JSON reads 400 digits as an int, on which math.isfinite raises
+    OverflowError)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def is_positive_number(x) -> bool:

@@ -135,6 +135,10 @@ BAD_FIELDS = {
     "lora_alpha null": ("lora_alpha", None, "'lora_alpha' must be a finite number, got None"),
     "lora_alpha string": ("lora_alpha", "8", "'lora_alpha' must be a finite number, got '8'"),
     "lora_alpha true": ("lora_alpha", True, "'lora_alpha' must be a finite number, got True"),
+    "lora_alpha an integer past float": (  # math.isfinite raised OverflowError
+        "lora_alpha", 10**400, "'lora_alpha' must be a finite number, got 1000"),
+    "alpha_pattern value an integer past float": (
+        "alpha_pattern", {"o_proj": -(10**400)}, "alpha_pattern['o_proj'] must be a finite number"),
     "rank_pattern value string": (
         "rank_pattern", {"q_proj": "x"}, "rank_pattern['q_proj'] must be a positive integer"),
     "rank_pattern value bool": (
