@@ -149,11 +149,15 @@ class GraphRunner:
         ``variant`` (the same on every rank, whatever this rank's own batch holds)."""
         own = self.buffers.bucket_for(batch)
         bucket = own if bucket is None else bucket
-        if bucket is None or bucket not in self.buffers.buckets or (own or 0) > bucket:
-            raise ValueError(f"no captured bucket fits this {batch.mode.value} batch "
-                             f"(buckets {self.buffers.buckets}, asked {bucket}); check "
-                             "can_run() first")
         idle = batch.mode is ForwardMode.IDLE
+        # Hazard: a batch no bucket holds (own None: too many tokens or requests, a prefix past
+        # max_prefix, a wider context) must be refused under an agreed bucket too; only an
+        # idle batch fits every bucket (a prefill runner's has no own bucket).
+        if (bucket is None or bucket not in self.buffers.buckets or (own is None and not idle)
+                or (own or 0) > bucket):
+            raise ValueError(f"no captured bucket fits this {batch.mode.value} batch of "
+                             f"{batch.batch_size} requests, {batch.num_tokens} tokens (buckets "
+                             f"{self.buffers.buckets}, asked {bucket}); check can_run() first")
         kind = variant if variant is not None else self.variant_for(  # an idle DP rank's MLP
             batch, (idle and self.dp is not None) or batch.has_adapters)  # serves its peers
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):

@@ -113,3 +113,38 @@ def test_graph_sizes_that_cannot_serve_are_refused_naming_them(make, says):
     rt = make_runtime(tiny(1), dtype=torch.float32, device=DEVICE, slots=2, max_rank=4)
     with pytest.raises(ValueError, match=says):
         make(rt, GraphRunner)
+
+
+@pytest.mark.parametrize("mode", ["prefix past max_prefix", "context past max_context"])
+def test_an_agreed_bucket_never_takes_a_batch_no_bucket_holds(mode):
+    """``replay(batch, bucket=...)`` (the DP agreement's bucket) of a batch that no bucket
+    holds: a prefill whose cached prefix exceeds ``max_prefix`` replayed logits 0.18 off eager
+    with no error (its context cut at the bucket's view); a decode wider than ``max_context``
+    failed inside torch after LoRA was prepared. Refused, naming the batch, state unchanged."""
+    from runtime_helpers import drawn_adapter, make_runtime
+
+    from graphs import GraphRunner
+    from lora_runtime.model.config import tiny
+
+    cfg = tiny(1)
+    rt = make_runtime(cfg, dtype=torch.float32, device=DEVICE, backend="torch", slots=2,
+                      max_rank=4)
+    rt.lora.load_adapter("a", drawn_adapter(cfg, "a", 1, 4))
+    r = Request(list(range(1, 27)), "a", 8)
+    rt.forward_eager(build_extend([r], rt.kv, DEVICE))  # 26 cached tokens
+    r.output += [5, 6, 7, 8]
+    if mode == "prefix past max_prefix":  # buckets' views hold 16 + 8 keys, the batch 30
+        graphs = GraphRunner.prefill(rt, [16, 48], 2, max_prefix=8).capture()
+        batch, bucket = build_extend([r], rt.kv, DEVICE), 16
+    else:
+        graphs = GraphRunner.decode(rt, [1, 2], max_context=16).capture()
+        r.output = r.output[:1]
+        batch, bucket = build_decode([r], rt.kv, DEVICE), 2
+    assert graphs.bucket_for(batch) is None
+    rt.lora.reset_lora_batch()
+    version = rt.lora.pool.version
+    with pytest.raises(ValueError, match="no captured bucket fits this .* batch of 1 requests"):
+        graphs.replay(batch, bucket=bucket)
+    assert rt.lora.backend.batch_info is None
+    assert rt.lora.pool.version == version
+    release([r], rt.kv)
