@@ -68,8 +68,10 @@ def lora_embedding_shrink(
     token_ids: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None
 ) -> torch.Tensor:
     """fp32 ``[rows, max_rank]``, defined where the column is below the slot's rank."""
-    check_layout(layout, token_ids.shape[0] if token_ids.dim() == 1 else -1, token_ids.device,
-                 "lora_embedding_shrink")
+    # Before the layout's row count: 2-D ids are not stale metadata.
+    check(token_ids.dim() == 1, lambda: f"token_ids must be 1-D (one id a row), got shape "
+          f"{tuple(token_ids.shape)}")
+    check_layout(layout, token_ids.shape[0], token_ids.device, "lora_embedding_shrink")
     check(weights.is_embedding, "lora_embedding_shrink needs weights from "
           "LoRAWeights.for_embedding")
     check(token_ids.dtype in (torch.int32, torch.int64) and token_ids.is_contiguous(),

@@ -191,9 +191,12 @@ def check_shrunk(a: torch.Tensor, weights: LoRAWeights, rows: int) -> None:
 
 def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout | None,
                       what: str) -> None:
-    check_layout(layout, y.shape[0] if y.dim() == 2 else -1, y.device, what)
     b = weights.lora_b
-    check(y.dim() == 2 and y.shape[1] == b.shape[1],
+    # Before the layout's row count: a 1-D or 3-D y is not stale metadata.
+    check(y.dim() == 2, lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got "
+          f"{tuple(y.shape)}")
+    check_layout(layout, y.shape[0], y.device, what)
+    check(y.shape[1] == b.shape[1],
           lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}")
     check_weight_tables(weights, weights.num_slices, y.device)
     seen = weights.expand_checked

@@ -151,9 +151,10 @@ def _shrink(x, weights, layout, tail, split_k, block_k, num_warps) -> torch.Tens
 
 def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout | None,
                       what: str) -> None:
-    check_layout(layout, x.shape[0] if x.dim() == 2 else -1, x.device, what)
+    # Before the layout's row count: a 1-D or 3-D x is not stale metadata.
     check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
           f"shape {tuple(x.shape)} strides {x.stride()}")
+    check_layout(layout, x.shape[0], x.device, what)
     a = weights.lora_a
     check_weight_tables(weights, weights.num_slices, x.device)
     seen = weights.shrink_checked

@@ -13,6 +13,7 @@ from kernels import (
     lora_embedding_shrink,
     lora_expand,
     lora_shrink,
+    lora_shrink_expand,
     plan_segments,
 )
 
@@ -85,6 +86,29 @@ def test_dtype_and_shape_mismatches_name_the_input():
         lora_embedding_shrink(torch.zeros(5, dtype=torch.long, device=DEVICE), w, layout)
     with pytest.raises(ValueError, match="block_k"):
         lora_shrink(x, w, layout, block_k=24)
+
+
+
+def test_inputs_of_the_wrong_dimension_are_named_not_called_stale():
+    """A 1-D or 3-D input was measured as -1 rows against the layout: "the input has -1 rows.
+    The metadata is stale: prepare (or reset) the LoRA batch", a fix that cannot help."""
+    w, layout, x = _setup()
+    we = LoRAWeights.for_embedding(2, 10, 8, 4, torch.float32, DEVICE)
+    calls = {
+        "x must be 2-D": [lambda: lora_shrink(x[0], w, layout),
+                          lambda: lora_shrink(x[:, None], w, layout),
+                          lambda: lora_shrink_expand(x[0], w, torch.zeros(5, 12, device=DEVICE),
+                                                     layout)],
+        "y must be": [lambda: lora_expand(lora_shrink(x, w, layout), w,
+                                        torch.zeros(12, device=DEVICE), layout)],
+        "token_ids must be 1-D": [lambda: lora_embedding_shrink(
+            torch.zeros(5, 1, dtype=torch.long, device=DEVICE), we, layout)],
+    }
+    for msg, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=msg) as e:
+                fn()
+            assert "stale" not in str(e.value)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's bf16 limitation exists on CPU only")
