@@ -21,6 +21,8 @@ from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
+from lora_runtime.lora.adapters import AdapterError
+from lora_runtime.lora.adapters.random_adapter import random_adapter
 from lora_runtime.model.config import tiny
 from lora_runtime.model.llama import LlamaForCausalLM
 
@@ -183,6 +185,22 @@ def test_eviction_takes_an_idle_adapter_before_a_running_requests(world, newcome
     eng.run()
     assert decoding.done and eng.lora.writer.writes == writes
     assert decoding.output == [int(t.argmax()) for t in w.alone(decoding)][:len(decoding.output)]
+
+
+def test_a_pinned_load_of_a_bad_adapter_names_its_fault_not_the_pins(world):
+    """With every slot pinned, a pinned load of an adapter above max_rank said to unpin one;
+    unpinned, it failed again on its rank. The adapter is checked first; a load refused for
+    the pins (its own fault none) leaves it not loaded."""
+    w = world
+    eng = w.engine(SchedulerConfig())
+    held = [w.new_adapter(eng, pinned=True) for _ in range(w.slots)]
+    too_big = random_adapter(w.config, "big", 16, seed=1, dtype=torch.float32)
+    with pytest.raises(AdapterError, match="max_rank"):
+        eng.load_adapter("big", too_big, pinned=True)
+    fits = random_adapter(w.config, "fits", 4, seed=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="would leave 3 adapters"):
+        eng.load_adapter("fits", fits, pinned=True)
+    assert set(eng.lora.adapters) == set(held) and eng.lora.pool.pinned == set(held)
 
 
 def test_overtaking_is_bounded(world):

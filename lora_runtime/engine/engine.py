@@ -197,9 +197,16 @@ class Engine:
         """Loads an adapter while requests run. A pinned one takes a slot for good, so it is
         refused when the running requests' adapters would no longer fit beside it."""
         lora = self._manager("load_adapter")
-        if pinned:
-            self._check_pin(name)
-        lora.load_adapter(name, source, pinned=pinned)
+        # Loaded (and so checked) before the slot count: a refused adapter was blamed on the
+        # pins ("unpin one"), after which it failed again on its own fault.
+        lora.load_adapter(name, source)
+        if not pinned:
+            return
+        try:
+            self.pin_adapter(name)
+        except BaseException:
+            lora.unload_adapter(name)
+            raise
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         lora = self._manager("pin_adapter")
