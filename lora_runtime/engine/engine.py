@@ -252,7 +252,7 @@ class Engine:
     def _hint_eviction(self) -> None:
         """Tells the manager which adapters to evict last (``LoRAManager.evict_last``)."""
         if self.lora is not None:
-            self.lora.evict_last = frozenset(self._evict_last())
+            self.lora.evict_last = self._evict_last
 
     def _evict_last(self) -> set[str]:
         return self.scheduler.running_adapters()

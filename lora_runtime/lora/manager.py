@@ -3,6 +3,7 @@ them into GPU slots on demand, and prepares or resets the backend's batch state.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -49,12 +50,13 @@ class LoRAManager:
         """Each loaded adapter's ``LoRAAdapter.fingerprint`` where the MLP is sharded for DP
         (the ranks compare them each step; 0 without DP: nothing to compare with)."""
         self._in_batch: set[str] = set()
-        self.evict_last: frozenset[str] = frozenset()
+        self.evict_last: Callable[[], Collection[str]] = frozenset
         """Adapters that eviction takes only where no other is left: the running requests',
-        set by the engine before each forward and pin. A step that leaves running requests
-        out (a prefill) then evicts an idle adapter, not one the next decode step would have
-        to write back (a slot write: 1.7 ms at 32 layers). Under DP every rank sets the same
-        (the agreed union), so slots agree."""
+        a function the engine sets before each forward and pin, called only when a slot must
+        be freed (no per-step cost). A step that leaves running requests out (a prefill)
+        then evicts an idle adapter, not one the next decode step would have to write back
+        (a slot write: 1.7 ms at 32 layers). Under DP every rank's returns the same (the
+        agreed union), so slots agree."""
         self._last_plan: tuple | None = None
         """(batch key, pool version, adapters, plan) of the last batch planned locally."""
         self.dp = model.dp

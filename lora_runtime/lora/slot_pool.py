@@ -4,7 +4,7 @@ last. Pure bookkeeping: the manager copies the weights."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class SlotPoolError(RuntimeError):
@@ -24,11 +24,13 @@ class SlotPool:
         version gets the same slots)."""
 
     def plan(self, names: Iterable[str], protected: Iterable[str] = (),
-             spare: Iterable[str] = ()) -> list[tuple[int, str, str | None]]:
+             spare: Callable[[], Iterable[str]] = tuple
+             ) -> list[tuple[int, str, str | None]]:
         """(slot, adapter, evicted) for each adapter of ``names`` not yet in a slot, never
-        evicting ``protected`` ones (a batch already prepared), and ``spare`` ones only where
-        no other is left (least recently used first within each). Raises before changing
-        anything when they cannot all fit."""
+        evicting ``protected`` ones (a batch already prepared), and those ``spare()`` names
+        only where no other is left (least recently used first within each; called only
+        when a slot must be freed). Raises before changing anything when they cannot all
+        fit."""
         wanted = set(names)
         if all(n in self.slot_of for n in wanted):
             return []  # every step of a steady batch: all resident (so they fit)
@@ -41,7 +43,7 @@ class SlotPool:
             )
         missing = sorted(n for n in wanted if n not in self.slot_of)
         free = [s for s, o in enumerate(self.owner) if o is None]
-        spare = set(spare)
+        spare = set(spare())
         victims = sorted((o for o in self.owner if o is not None and o not in keep),
                          key=lambda o: (o in spare, self._last_use.get(o, -1)))
         if len(missing) > len(free) + len(victims):
