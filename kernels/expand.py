@@ -192,12 +192,14 @@ def check_shrunk(a: torch.Tensor, weights: LoRAWeights, rows: int) -> None:
 def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout | None,
                       what: str) -> None:
     b = weights.lora_b
+
+    def bad_shape() -> str:
+        return f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}"
+
     # Before the layout's row count: a 1-D or 3-D y is not stale metadata.
-    check(y.dim() == 2, lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got "
-          f"{tuple(y.shape)}")
+    check(y.dim() == 2, bad_shape)
     check_layout(layout, y.shape[0], y.device, what)
-    check(y.shape[1] == b.shape[1],
-          lambda: f"y must be [rows, {b.shape[1]}] (the module's output), got {tuple(y.shape)}")
+    check(y.shape[1] == b.shape[1], bad_shape)
     check_weight_tables(weights, weights.num_slices, y.device)
     seen = weights.expand_checked
     if seen is not None and seen[0] is b and seen[1:] == (y.dtype, y.device):

@@ -69,8 +69,11 @@ def _timeout_s(timeout_s: float | None) -> float:
             raise ValueError(f"DP_TIMEOUT_S={env!r}: set it to a finite number of seconds > 0 "
                              "(the collectives' timeout), or unset it")
         return value
-    if timeout_s is None:
-        return DEFAULT_TIMEOUT_S
+    return DEFAULT_TIMEOUT_S if timeout_s is None else checked_timeout_s(timeout_s)
+
+
+def checked_timeout_s(timeout_s) -> float:
+    """``timeout_s`` as a float, refused naming it unless a finite number of seconds > 0."""
     if not is_positive_number(timeout_s):
         raise ValueError(f"timeout_s must be a finite number of seconds > 0 (the collectives' "
                          f"timeout), got {timeout_s!r}")

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
-from lora_runtime.checks import is_int, is_positive_number
+from lora_runtime.checks import is_int
+from lora_runtime.dp.group import checked_timeout_s
 
 
 def free_port() -> int:
@@ -25,9 +26,7 @@ def spawn(fn: Callable, size: int, *args, timeout_s: float = 60.0) -> None:
     bounds every collective (a dead rank stops the others within it)."""
     if not is_int(size) or size < 1:
         raise ValueError(f"DP size must be an integer >= 1, got {size!r}")
-    if not is_positive_number(timeout_s):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0 (the collectives' "
-                         f"timeout), got {timeout_s!r}")
+    checked_timeout_s(timeout_s)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(size), "DP_TIMEOUT_S": str(timeout_s)}
     mp.start_processes(_entry, args=(fn, env, args), nprocs=size, join=True,
