@@ -69,6 +69,13 @@ def _overwrite(name, data: bytes):
     return make
 
 
+def _truncated(tmp):
+    path = _saved(tmp)
+    f = path / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a copy cut short
+    return path
+
+
 CASES = {
     "missing folder": (lambda p: p / "nope", "not a directory"),
     "missing config": (_without("adapter_config.json"), "adapter_config.json is missing"),
@@ -77,6 +84,7 @@ CASES = {
     "corrupt config": (_overwrite("adapter_config.json", b"{r: 4,"), "not valid JSON"),
     "corrupt weights": (_overwrite("adapter_model.safetensors", b"\x10\x00\x00\x00garbage"),
                         "could not be read"),
+    "truncated weights": (_truncated, "adapter_model.safetensors could not be read"),
 }
 
 
@@ -303,3 +311,97 @@ def test_float8_weights_load_as_their_values(runner, tmp_path):
     got = runner.lora.adapters["x"].modules[(1, "v_proj")]
     assert torch.equal(got.a, want["base_model.model.model.layers.1.self_attn.v_proj"
                                     ".lora_A.weight"].float())
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+
+
+@pytest.mark.parametrize("gone", ["A", "B"])
+def test_a_module_missing_lora_a_or_b(runner, tmp_path, gone):
+    path = _saved(tmp_path)
+    _edit_weights(path, lambda t: t.pop(Q.format(gone)))
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=rf"layers\.0\.self_attn\.q_proj: lora_{gone} is "
+                                           r"missing from adapter_model\.safetensors.*save the "
+                                           "adapter again"):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+RANK_FAULTS = {  # lora_A rank, lora_B rank, message
+    "A and B ranks differ": (4, 3, r"lora_A \(4, 64\) has rank 4 but lora_B \(64, 3\) has rank "
+                                   r"3 .*save the adapter again"),
+    "rank other than the config's": (
+        3, 3, r"lora_A \(3, 64\) / lora_B \(64, 3\) have rank 3, but adapter_config\.json "
+              "gives this module rank 4: set r, or a rank_pattern entry for it"),
+}
+
+
+@pytest.mark.parametrize("case", list(RANK_FAULTS))
+def test_weights_whose_rank_disagrees(runner, tmp_path, case):
+    ra, rb, msg = RANK_FAULTS[case]
+    path = _saved(tmp_path)
+    _edit_weights(path, lambda t: t.update({Q.format("A"): torch.randn(ra, 64),
+                                            Q.format("B"): torch.randn(64, rb)}))
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match=r"layers\.0\.self_attn\.q_proj: " + msg):
+        runner.lora.load_adapter("x", path)
+    _assert_unchanged(runner.lora, before)
+
+
+EMBED_BASE = "base_model.model.model.embed_tokens.base_layer.weight"
+
+
+@pytest.fixture
+def embed_runner():
+    r = make_runtime(CFG, dtype=torch.float32, device=DEVICE, slots=2, max_rank=8,
+                     targets=("o_proj", "embed_tokens"))
+    r.lora.load_adapter("resident", random_adapter(CFG, "resident", 4, ("o_proj",), seed=1),
+                        pinned=True)
+    return r
+
+
+def _with_base_embeddings(tmp_path, runner, make):
+    path = tmp_path / "e"
+    save_peft_adapter(random_adapter(CFG, "e", 4, ("embed_tokens",), seed=5), path)
+    base = runner.model.model.embed_tokens.base.weight.detach().cpu()
+    _edit_weights(path, lambda t: t.__setitem__(EMBED_BASE, make(base.clone())))
+    return path
+
+
+def _poisoned(w):
+    w[3, 7] = float("nan")
+    return w
+
+
+BASE_FAULTS = {
+    "int8": (lambda w: (w * 100).to(torch.int8), r"has dtype torch\.int8, not floating point"),
+    "bool": (lambda w: w > 0, r"has dtype torch\.bool, not floating point"),
+    "NaN": (_poisoned, "contains NaN or Inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(BASE_FAULTS))
+def test_saved_base_embeddings_that_are_not_float_weights(embed_runner, tmp_path, case):
+    """An int8 (quantized) copy raised a bare TypeError from torch.finfo; a NaN one was
+    reported as weights that differ from the model's."""
+    make, msg = BASE_FAULTS[case]
+    path = _with_base_embeddings(tmp_path, embed_runner, make)
+    before = _snapshot(embed_runner.lora)
+    with pytest.raises(AdapterError, match=r"adapter 'e', model\.embed_tokens\.base_layer\."
+                                           r"weight " + msg + ".*save_embedding_layers=False"):
+        embed_runner.lora.load_adapter("e", path)
+    _assert_unchanged(embed_runner.lora, before)
+
+
+def test_saved_base_embeddings_on_a_quantized_model_layer(embed_runner, tmp_path):
+    """The model's embed_tokens in int8: torch.finfo raised a bare TypeError."""
+    path = _with_base_embeddings(tmp_path, embed_runner, lambda w: w)
+    emb = embed_runner.lora.model.model.embed_tokens.base
+    emb.weight = torch.nn.Parameter((emb.weight.detach() * 100).to(torch.int8),
+                                    requires_grad=False)
+    before = _snapshot(embed_runner.lora)
+    with pytest.raises(AdapterError, match=r"the model's embed_tokens weight has dtype "
+                                           r"torch\.int8 \(a quantized layer\).*floating dtype"):
+        embed_runner.lora.load_adapter("e", path)
+    _assert_unchanged(embed_runner.lora, before)

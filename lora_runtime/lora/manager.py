@@ -204,6 +204,13 @@ class LoRAManager:
         for target, t in adapter.base_layers.items():
             layer = own[target]
             w = getattr(layer, "base", layer).weight
+            if not w.is_floating_point():  # torch.finfo below raised a bare TypeError
+                raise AdapterError(
+                    f"adapter {adapter.name!r} carries its own {target} weights, but the "
+                    f"model's {target} weight has dtype {w.dtype} (a quantized layer), which "
+                    "they cannot be compared with: serve the model in a floating dtype, or "
+                    "save the adapter without them (PEFT: save_pretrained(..., "
+                    "save_embedding_layers=False))")
             # Equal up to one rounding to the coarser dtype (a bf16 copy of float32 weights):
             # PEFT would serve the adapter's own weights where they differ by more. Below a
             # dtype's normal range its rounding is absolute (fp16: multiples of 2**-24, where

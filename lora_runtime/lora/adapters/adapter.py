@@ -120,6 +120,14 @@ class LoRAAdapter:
                     f"adapter {self.name!r} carries {target} weights of shape {tuple(t.shape)}, "
                     f"the model's are {want} (trained with a resized vocabulary?)"
                 )
+            where = f"adapter {self.name!r}, {module_path(None, target)}.base_layer.weight"
+            fix = ("or save the adapter without it (PEFT: save_pretrained(..., "
+                   "save_embedding_layers=False))")
+            if not t.is_floating_point():  # torch.finfo, comparing it to the model's, raised
+                raise AdapterError(f"{where} has dtype {t.dtype}, not floating point (a "
+                                   f"quantized copy?): dequantize it {fix}")
+            if not torch.isfinite(t if t.element_size() > 1 else t.float()).all():
+                raise AdapterError(f"{where} contains NaN or Inf: fix it {fix}")
 
 
 def _check_key(name: str, key, config: LlamaConfig) -> ModuleKey:

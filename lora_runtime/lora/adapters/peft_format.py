@@ -4,7 +4,9 @@ with PEFT key names. Everything is checked before anything is returned."""
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -88,7 +90,8 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
         where = f"{path}: {module_path(*mk)}"
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
-            raise AdapterError(f"{where}: lora_{missing} is missing from {WEIGHTS}")
+            raise AdapterError(f"{where}: lora_{missing} is missing from {WEIGHTS} (a partial "
+                               "save?): save the adapter again")
         if targets is not None and mk[1] not in targets:
             raise AdapterError(f"{where}: has weights but target_modules {sorted(targets)} does "
                                f"not name {mk[1]!r}")
@@ -97,11 +100,16 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
             raise AdapterError(f"{where}: lora_A/lora_B must be 2-D, got {tuple(a.shape)} and "
                                f"{tuple(b.shape)}")
         mod_r = _pattern_value(rank_pattern, module_path(*mk), r)
-        if a.shape[0] != mod_r or b.shape[1] != mod_r:
-            raise AdapterError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
-                               f"not have rank {mod_r} as the config says")
+        if a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{where}: lora_A {tuple(a.shape)} has rank {a.shape[0]} but "
+                               f"lora_B {tuple(b.shape)} has rank {b.shape[1]} (a corrupt or "
+                               "hand-edited file): save the adapter again")
+        if a.shape[0] != mod_r:
+            raise AdapterError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} have "
+                               f"rank {a.shape[0]}, but {CONFIG} gives this module rank {mod_r}: "
+                               "set r, or a rank_pattern entry for it, to the weights' rank")
         mod_alpha = float(_pattern_value(alpha_pattern, module_path(*mk), alpha))
-        scaling = mod_alpha / (mod_r**0.5 if use_rslora else mod_r)
+        scaling = mod_alpha / (math.sqrt(mod_r) if use_rslora else mod_r)
         modules[mk] = ModuleLoRA(a, b, scaling)
     return LoRAAdapter(name, modules, r, float(alpha), use_rslora,
                        tuple(sorted(targets or {t for _, t in modules})),
@@ -109,22 +117,113 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
 
 
 def save_peft_adapter(adapter: LoRAAdapter, path: str | Path, base_model: str = "") -> None:
+    """Writes ``adapter`` in PEFT's format so that reading it back, here or with PEFT, gives
+    every module the same rank, scaling and weights. The adapter's own r, lora_alpha and
+    patterns are written where they give each module its rank and scaling (an adapter read
+    from PEFT's files); otherwise r and lora_alpha are the commonest ones and rank_pattern /
+    alpha_pattern name each other module by its escaped path (PEFT matches a key as a regex
+    against the end of a module's name). target_modules lists the targets where each covers
+    the same layers 0..n-1, else it is a regex of the exact module paths (PEFT wraps only
+    those). Saved base layers (embed_tokens, lm_head) are written as PEFT does."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    for (layer, target), m in adapter.modules.items():
+        where = f"adapter {adapter.name!r}, {module_path(layer, target)}"
+        if not (isinstance(m.a, torch.Tensor) and isinstance(m.b, torch.Tensor)
+                and m.a.dim() == 2 and m.b.dim() == 2 and m.a.shape[0] == m.b.shape[1] >= 1):
+            raise AdapterError(f"{where}: lora_A / lora_B must be 2-D of one rank >= 1 to be "
+                               f"saved, got {_shape(m.a)} / {_shape(m.b)}")
+        if not is_finite_number(m.scaling):
+            raise AdapterError(f"{where}: scaling must be a finite number, got {m.scaling!r}")
+    if not adapter.modules:
+        raise AdapterError(f"adapter {adapter.name!r} has no LoRA weights to save")
+    r, alpha, rank_pattern, alpha_pattern = _scaling_config(adapter)
     tensors = {}
     for (layer, target), m in adapter.modules.items():
         tensors[_peft_key(layer, target, "A")] = m.a.contiguous()
         tensors[_peft_key(layer, target, "B")] = m.b.contiguous()
+    for target, t in adapter.base_layers.items():
+        tensors[f"base_model.model.{module_path(None, target)}.base_layer.weight"] = (
+            t.contiguous())
+    path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / WEIGHTS))
     cfg = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": adapter.r, "lora_alpha": adapter.alpha, "use_rslora": adapter.use_rslora,
-        "target_modules": sorted(adapter.targets), "rank_pattern": adapter.rank_pattern,
-        "alpha_pattern": adapter.alpha_pattern, "lora_dropout": 0.0, "bias": "none",
+        "r": r, "lora_alpha": alpha, "use_rslora": adapter.use_rslora,
+        "target_modules": _saved_targets(adapter), "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern, "lora_dropout": 0.0, "bias": "none",
         "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True,
     }
     (path / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _shape(t) -> tuple | str:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _scaling_config(adapter: LoRAAdapter) -> tuple[int, float, dict, dict]:
+    """(r, lora_alpha, rank_pattern, alpha_pattern) that give each module of ``adapter`` its
+    rank and, exactly, its scaling, as ``load_peft_adapter`` (and PEFT) compute them."""
+    mods = {module_path(*k): m for k, m in sorted(adapter.modules.items(), key=_module_order)}
+    rslora = adapter.use_rslora
+
+    def scaling(alpha, rank: int) -> float:
+        return float(alpha) / (math.sqrt(rank) if rslora else rank)
+
+    try:
+        own = (_is_positive_int(adapter.r) and is_finite_number(adapter.alpha)
+               and all(map(_is_positive_int, adapter.rank_pattern.values()))
+               and all(map(is_finite_number, adapter.alpha_pattern.values())) and all(
+            _pattern_value(adapter.rank_pattern, p, adapter.r) == m.rank
+            and scaling(_pattern_value(adapter.alpha_pattern, p, adapter.alpha), m.rank)
+            == float(m.scaling) for p, m in mods.items()))
+    except (re.error, TypeError):
+        own = False  # pattern keys that are not regexes
+    if own:
+        return adapter.r, adapter.alpha, dict(adapter.rank_pattern), dict(adapter.alpha_pattern)
+    prefer = float(adapter.alpha) if is_finite_number(adapter.alpha) else None
+    alphas = {p: _alpha_for(float(m.scaling), m.rank, rslora, prefer) for p, m in mods.items()}
+    r = _commonest([m.rank for m in mods.values()],
+                   adapter.r if _is_positive_int(adapter.r) else None)
+    alpha = _commonest(list(alphas.values()), prefer)
+    return (r, alpha, {re.escape(p): m.rank for p, m in mods.items() if m.rank != r},
+            {re.escape(p): a for p, a in alphas.items() if a != alpha})
+
+
+def _alpha_for(s: float, rank: int, rslora: bool, prefer: float | None) -> float:
+    """An alpha for which PEFT's ``alpha / d`` (``d``: the rank, or its root under rsLoRA)
+    is ``s``: ``prefer`` if it is one, else ``s * d``, which divides back to ``s`` for every
+    ``s`` of that form. A scaling no float alpha gives (0.1 at rank 3: 0.3 / 3 and its
+    neighbour both miss it) comes back as the nearest one PEFT can express, within an ulp."""
+    d = math.sqrt(rank) if rslora else rank
+    if prefer is not None and prefer / d == s:
+        return prefer
+    return s * d
+
+
+def _commonest(values: list, prefer):
+    counts = Counter(values)
+    top = max(counts.values())
+    if counts.get(prefer) == top:
+        return prefer
+    return min(v for v, c in counts.items() if c == top)
+
+
+def _saved_targets(adapter: LoRAAdapter) -> list[str] | str:
+    layers: dict[str, set[int]] = {}
+    for layer, target in adapter.modules:
+        if layer is not None:
+            layers.setdefault(target, set()).add(layer)
+    n = max((max(s) for s in layers.values()), default=-1) + 1
+    if all(s == set(range(n)) for s in layers.values()):
+        return sorted(adapter.targets)
+    paths = sorted(module_path(*k) for k in adapter.modules)
+    return "(" + "|".join(re.escape(p) for p in paths) + ")"
+
+
+def _module_order(item) -> tuple:
+    (layer, target), _ = item
+    return (-1 if layer is None else layer, target)
 
 
 def _read_config(path: Path) -> dict:

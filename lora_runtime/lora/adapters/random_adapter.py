@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +31,7 @@ def random_adapter(
 ) -> LoRAAdapter:
     g = torch.Generator().manual_seed(seed)
     alpha = float(2 * rank if alpha is None else alpha)
-    scaling = alpha / (rank**0.5 if use_rslora else rank)
+    scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
     modules = {}
     for target in targets:
         layers = [None] if module_target(target).block is None else range(config.num_layers)
