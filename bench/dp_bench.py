@@ -28,10 +28,9 @@ from bench.scenarios import DPCase
 from bench.timing import Timing
 from bench.token_reference import REQUESTS, judge, near_tie, token_reference
 from graphs import GraphRunner
-from lora_runtime.checks import is_positive_number
 from lora_runtime.dp.controller import DPController
 from lora_runtime.dp.dp_engine import DPEngine
-from lora_runtime.dp.group import init_dp, shutdown
+from lora_runtime.dp.group import checked_timeout_s, init_dp, shutdown
 from lora_runtime.dp.launch import spawn
 from lora_runtime.dp.shard import shard_mlp
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
@@ -324,8 +323,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True,
                    help="result file (rows upserted by case, as python -m bench writes)")
     args = p.parse_args(argv)
-    if not is_positive_number(args.timeout):  # inf too: spawn refuses it, with a traceback
-        p.error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    try:  # spawn would refuse it, with a traceback
+        checked_timeout_s(args.timeout)
+    except ValueError as e:
+        p.error(f"--timeout: {e}")
     check_out(p, args.out)
     opts = {k: getattr(args, k) for k in ("preset", "layers", *WORKLOAD)}
     opts["cases"] = [{"adapters": a, "load": load, "rank": args.rank}

@@ -24,7 +24,12 @@ import torch
 
 from graphs.replayable import Replayable, capture, new_pool
 from graphs.static_batch import DecodeBuffers, PrefillBuffers
-from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
+from lora_runtime.engine.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    GatheredRows,
+    check_gathered,
+)
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.lora.backends import LoRAGraphBuffers
 from lora_runtime.nvtx import phase
@@ -160,6 +165,7 @@ class GraphRunner:
                              f"{self.buffers.buckets}, asked {bucket}); check can_run() first")
         kind = variant if variant is not None else self.variant_for(  # an idle DP rank's MLP
             batch, (idle and self.dp is not None) or batch.has_adapters)  # serves its peers
+        check_gathered(batch, self.dp)
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
                              f"but bucket {bucket} holds {self.buffers.rows(bucket)}")

@@ -475,7 +475,9 @@ MUTANTS = [
            "DP: a rank whose forward raised mid-step steps again: its agreement pairs with a "
            "peer's MLP all-gather (gloo aborts the process)",
            "lora_runtime/dp/dp_engine.py",
-           (("            self._fault = f\"{type(e).__name__}: {e}\"\n", ""),),
+           (("            self._fault = f\"{type(e).__name__}: {e}\"\n", ""),
+            ("            mark_fault(self.dp, \"a DPEngine's forward raised mid-step\", "
+             "self._fault)\n", "")),
            ("tests/test_dp_control.py::test_a_forward_that_raised_on_one_rank_stops_its_later_"
             "calls",)),
     Mutant("dp_refused_generate_leaves_peers",

@@ -29,14 +29,17 @@ def rank_env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-3", ""])
+# 1e-9 and 0.0004 s are 0 ms to torch: the first connection timed out at once; 1e20 and 1e300
+# raised OverflowError from timedelta or torch, naming neither.
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-3", "", "1e-9", "0.0004", "1e20",
+                                   "1e300"])
 def test_a_bad_dp_timeout_s_is_refused_naming_it(rank_env, value):
     rank_env.setenv("DP_TIMEOUT_S", value)
     with pytest.raises(ValueError, match="DP_TIMEOUT_S"):
         init_dp(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "5"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "5", 1e-9, 1e300])
 def test_a_bad_timeout_argument_is_refused_naming_it(rank_env, value):
     with pytest.raises(ValueError, match="timeout_s"):
         init_dp(torch.device("cpu"), timeout_s=value)
@@ -45,6 +48,7 @@ def test_a_bad_timeout_argument_is_refused_naming_it(rank_env, value):
 @pytest.mark.parametrize("kwargs, says", [
     (dict(size=2.0), "integer"), (dict(size=0), ">= 1"), (dict(size=True), "integer"),
     (dict(size=1, timeout_s=0), "timeout_s"), (dict(size=1, timeout_s=float("inf")), "timeout_s"),
+    (dict(size=1, timeout_s=1e-4), "timeout_s"), (dict(size=1, timeout_s=1e12), "timeout_s"),
 ])
 def test_spawn_refuses_bad_arguments_before_starting(kwargs, says):
     with pytest.raises(ValueError, match=says):

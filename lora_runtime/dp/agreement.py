@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lora_runtime.dp.group import DPGroup
+from lora_runtime.dp.group import DPGroup, exchange_through_store, mark_fault
 from lora_runtime.engine.forward_batch import ForwardMode
 
 NO_GRAPH = -1
@@ -148,7 +148,7 @@ class HostExchange:
             raise ValueError(f"{call}: {len(values)} ints exceed the exchange's {self.width}")
         tag = CALLS.index(call)
         rows = _gather_ints(self.dp, [tag, len(values), *values,
-                                      *[0] * (self.width - len(values))])
+                                      *[0] * (self.width - len(values))], call)
         if any(row[0] != tag for row in rows):
             where = ", ".join(f"rank {r} in {_call_name(row[0])}" for r, row in enumerate(rows))
             raise RuntimeError(f"{self.dp.name}: the ranks are in different calls ({where}): "
@@ -164,8 +164,13 @@ def _call_name(tag: int) -> str:
 def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
     """Raises on every rank where the ranks' ``setup`` values differ (they size the agreement's
     tensors and decide its collectives: a difference would abort gloo mid-step instead).
-    The first host collective of a ``DPEngine``: every rank sends ``len(setup)`` ints."""
-    per_rank = _gather_ints(dp, list(setup.values()))
+    Through the store, not a host all-gather: a rank that builds a DPEngine while its peers
+    step (or unload, or warm up) would meet their all-gather with one of another size, and
+    gloo aborted the process; now it raises after the timeout, naming the ranks that did not
+    build it, and so do they (their all-gather times out)."""
+    said = exchange_through_store(dp, "DPEngine set-up check",
+                                  ",".join(str(int(v)) for v in setup.values()))
+    per_rank = [[int(v) for v in text.split(",")] for text in said]
     differ = {k: [row[i] for row in per_rank] for i, k in enumerate(setup)
               if len({row[i] for row in per_rank}) > 1}
     if differ:
@@ -174,11 +179,26 @@ def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
                          "graphs, slots and options")
 
 
-def _gather_ints(dp: DPGroup, values) -> list[list[int]]:
-    """Every rank's ``values`` (the same count on each), by rank, from one host all-gather."""
+def _gather_ints(dp: DPGroup, values, call: str) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), by rank, from one host all-gather.
+    Where the all-gather itself fails (a peer died, faulted, or waits in another collective
+    until the timeout), the ranks no longer pair: the fault is recorded (``mark_fault``), so
+    this rank's later calls are refused and its ``shutdown`` leaves at once, and the error
+    says so."""
     mine = torch.tensor(values, dtype=torch.int64)
     out = torch.empty(dp.size * mine.numel(), dtype=torch.int64)
-    _all_gather_into(out, mine, dp.cpu_group)
+    try:
+        _all_gather_into(out, mine, dp.cpu_group)
+    except Exception as e:
+        error = f"{call}: {type(e).__name__}: {e}"
+        mark_fault(dp, "a host collective failed", error)
+        raise RuntimeError(f"{dp.name}: the {call} all-gather failed ({type(e).__name__}: {e}). "
+                           "A peer died, faulted, or is in another collective; DP does not "
+                           "recover from faults: restart every rank") from e
+    except BaseException as e:  # an interrupt: this rank left the collective half-way
+        mark_fault(dp, "a host collective was interrupted",
+                   f"{call}: {type(e).__name__}")
+        raise
     return out.view(dp.size, -1).tolist()
 
 

@@ -31,3 +31,4 @@ def gather_rows(x: torch.Tensor, rows_per_rank: int, dp: DPGroup) -> torch.Tenso
 def reduce_scatter_rows(y: torch.Tensor, dp: DPGroup) -> torch.Tensor:
     """[size * rows_per_rank, H] partial sums -> this rank's [rows_per_rank, H] of the sum."""
     return funcol.wait_tensor(_reduce_scatter(y.contiguous(), "sum", 0, dp.group))
+

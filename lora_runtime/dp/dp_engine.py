@@ -24,7 +24,7 @@ from lora_runtime.dp.agreement import (
     check_same_setup,
     pool_digest,
 )
-from lora_runtime.dp.group import DPGroup
+from lora_runtime.dp.group import DPGroup, mark_fault
 from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep, ends_by_length
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.engine.model_runner import ModelRunner
@@ -42,6 +42,7 @@ class DPEngine(Engine):
         variant it runs (one more small host all-gather): a divergence raises instead of
         hanging a collective. ``overlap``: as ``Engine``'s; each rank launches its next step
         ahead where its own requests allow."""
+        _check_group(dp, "DPEngine")  # before its set-up check's collective
         super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap,
                          max_timeline=max_timeline)
         if runner.dp is not None and runner.dp.size != dp.size:
@@ -101,6 +102,7 @@ class DPEngine(Engine):
     def generate(self, prompts, adapters, max_new_tokens: int = 16) -> list[list[int]]:
         """``Engine.generate`` of this rank's prompts (possibly none); every rank calls it, and
         it steps until no rank has work."""
+        self._check_in_step()  # before its requests are queued
         try:
             reqs = self.add_requests(prompts, adapters, max_new_tokens)
         except Exception:
@@ -150,6 +152,7 @@ class DPEngine(Engine):
                                f"({self._fault}); its collectives and the other ranks' no "
                                "longer pair, and DP does not recover from faults: restart "
                                "every rank")
+        _check_group(self.dp, "DPEngine")
 
     def _step(self) -> list[tuple[Request, int]]:
         self._check_in_step()
@@ -252,6 +255,17 @@ class DPEngine(Engine):
             # Hazard: the peers may be inside the step's collectives; retried, this rank's
             # next host all-gather would pair with one of them.
             self._fault = f"{type(e).__name__}: {e}"
+            # The group's other engines refuse too, and shutdown leaves without the peers.
+            mark_fault(self.dp, "a DPEngine's forward raised mid-step", self._fault)
+            raise
+
+    def _finish(self, cur: LaunchedStep) -> list[tuple[Request, int]]:
+        try:
+            return super()._finish(cur)
+        except BaseException as e:
+            if self._unread is not None:  # the peers went on to the next agreement
+                mark_fault(self.dp, "an interrupt stopped the read of a step's tokens",
+                           type(e).__name__)
             raise
 
     def _choose(self, ag: StepAgreement) -> tuple[int | None, bool]:
@@ -291,6 +305,18 @@ class DPEngine(Engine):
         self._steps += 1
         quota = free // self.dp.size + (1 if turn < free % self.dp.size else 0)
         self.scheduler.adapter_quota = (known, quota)
+
+
+def _check_group(dp: DPGroup, what: str) -> None:
+    """Raises, before any collective, where ``dp`` was shut down or this rank left the ranks'
+    lockstep (``group.mark_fault``: a forward of any DPEngine on it raised mid-step, a host
+    collective failed): a collective now would pair with one a peer is held in, or with none."""
+    dp.check_open(what)
+    if dp.fault is not None:
+        did, error = dp.fault
+        raise RuntimeError(f"{dp.name}: {did} on this rank ({error}); its collectives and the "
+                           "other ranks' no longer pair, and DP does not recover from faults: "
+                           "restart every rank")
 
 
 def _graphs_signature(graphs) -> int:

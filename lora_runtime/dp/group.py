@@ -5,9 +5,10 @@ minutes), so a dead or failing rank stops the others with an error in bounded ti
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,25 @@ import torch.distributed as dist
 from lora_runtime.checks import is_positive_number
 
 DEFAULT_TIMEOUT_S = 60.0
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9
+"""torch counts the timeout in whole milliseconds (below 1 ms it was 0: the store's first
+connection timed out at once) and in nanoseconds somewhere (past ~9e9 s it wrapped negative,
+and past ~8.6e13 s ``timedelta`` raised OverflowError naming neither)."""
+
+# This process's DP state, shared by its DPGroups (``shutdown`` leaves every group at once).
+_epoch = 0
+"""Bumped by ``shutdown``: a DPGroup made before it is closed (``DPGroup.closed``)."""
+_fault: tuple[str, str] | None = None
+"""(what, error) of the first fault that left this rank out of its peers' lockstep (a
+forward that raised mid-step, a host collective that failed), until ``shutdown``."""
+_wait_s = DEFAULT_TIMEOUT_S
+"""The last ``init_dp``'s timeout: ``shutdown`` waits for the other ranks that long at most."""
+_store_exchanges = 0
+"""``exchange_through_store`` calls since ``init_dp`` (their number names their keys)."""
+
+
+def _current_epoch() -> int:
+    return _epoch
 
 
 @dataclass(frozen=True)
@@ -26,21 +46,89 @@ class DPGroup:
     cpu_group: dist.ProcessGroup
     """Host-side agreement (gloo)."""
     timeout_s: float
+    epoch: int = field(default_factory=_current_epoch, repr=False, compare=False)
+    """The ``shutdown`` count when the group was made: a later ``shutdown`` closes it."""
 
     @property
     def name(self) -> str:
         return f"dp rank {self.rank}/{self.size}"
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown`` (or ``destroy_process_group``) has left the group."""
+        return self.epoch != _epoch or not dist.is_initialized()
+
+    def check_open(self, what: str) -> None:
+        """Raises, before any collective, where the group was shut down: its process groups
+        are gone (a step's agreement still paired over the torn-down gloo group when every
+        rank made it, and the MLP's all-gather failed with "Could not resolve the process
+        group", taken for a fault mid-step)."""
+        if self.closed:
+            raise RuntimeError(f"{what}: {self.name}'s process group was shut down "
+                               "(lora_runtime.dp.group.shutdown): join a new group with init_dp "
+                               "on every rank and build a new DPEngine on it")
+
+    @property
+    def fault(self) -> tuple[str, str] | None:
+        """(what, error) of the fault that left this rank out of the ranks' lockstep, if any
+        (``mark_fault``), until ``shutdown``."""
+        return None if self.closed else _fault
+
+
+def mark_fault(dp: DPGroup, what: str, error: str) -> None:
+    """Records that this rank left its peers' lockstep (``what``: a forward that raised
+    mid-step, a host collective that failed; the first one is kept): every DPEngine on the
+    group refuses its later calls, and ``shutdown`` leaves without waiting for the peers (they
+    may be held in a collective this rank will never join)."""
+    global _fault
+    if _fault is None and not dp.closed:
+        _fault = (what, error)
+
+
+def exchange_through_store(dp: DPGroup, what: str, value: str) -> list[str]:
+    """Every rank's ``value``, by rank, through the store: no gloo pair, so a call that only
+    some ranks make waits out the timeout and raises naming the ranks that did not make it,
+    instead of meeting another call's host all-gather of another size (gloo aborted the
+    process: "Received data size doesn't match expected size"). Every rank makes these calls
+    in the same order: their count names them."""
+    global _store_exchanges
+    n, _store_exchanges = _store_exchanges, _store_exchanges + 1
+    store = dist.distributed_c10d._get_default_store()
+    # The epoch: a store may outlive a world (one the caller made) and hold its keys.
+    keys = [f"dp_exchange/{_epoch}/{n}/{r}" for r in range(dp.size)]
+    store.set(keys[dp.rank], value)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=dp.timeout_s))
+    except Exception as e:
+        missing = _missing(store, keys)
+        if missing != []:  # (none: they came just after the timeout)
+            said = ("the store, on rank 0, is gone" if missing is None
+                    else f"ranks {missing} did not reach it within {dp.timeout_s:g} s")
+            mark_fault(dp, f"the {what} went unmet", said)
+            raise RuntimeError(f"{dp.name}: {what}: {said}. Every rank makes the same DPEngine "
+                               "calls in the same order, building its DPEngines too; DP does "
+                               "not recover from faults: restart every rank") from e
+    return [store.get(k).decode() for k in keys]
+
+
+def _missing(store, keys: list[str]) -> list[int] | None:
+    """The ranks whose key is not in the store (None: the store, on rank 0, is gone)."""
+    try:
+        return [r for r, k in enumerate(keys) if not store.check([k])]
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     """Joins the group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT). GPUs: rank r uses cuda:LOCAL_RANK. The collectives' timeout: DP_TIMEOUT_S
     where set, else ``timeout_s``, else ``DEFAULT_TIMEOUT_S``."""
+    global _wait_s, _store_exchanges
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: launch the ranks with torchrun or "
                                "lora_runtime.dp.launch.spawn")
-    timeout_s = _timeout_s(timeout_s)
+    timeout_s = _checked_env_timeout_s(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
@@ -52,57 +140,113 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
         dist.init_process_group(backend, timeout=timeout, **kwargs)
         group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else group
+    _wait_s, _store_exchanges = timeout_s, 0
     return DPGroup(dist.get_rank(), dist.get_world_size(), group, cpu_group, timeout_s)
 
 
-def _timeout_s(timeout_s: float | None) -> float:
-    """The collectives' timeout in seconds: a finite number > 0 (0 timed the first connection
-    out at once, NaN and text raised from the conversion naming neither, and an explicit 0
-    was read as the default)."""
+def _checked_env_timeout_s(timeout_s: float | None) -> float:
+    """The collectives' timeout in seconds: a finite number in [MIN_TIMEOUT_S, MAX_TIMEOUT_S]
+    (0 timed the first connection out at once, NaN and text raised from the conversion naming
+    neither, and an explicit 0 was read as the default)."""
     env = os.environ.get("DP_TIMEOUT_S")
     if env is not None:
         try:
             value = float(env)
         except ValueError:
             value = None
-        if value is None or not is_positive_number(value):
-            raise ValueError(f"DP_TIMEOUT_S={env!r}: set it to a finite number of seconds > 0 "
-                             "(the collectives' timeout), or unset it")
+        if value is None or not _in_range(value):
+            raise ValueError(f"DP_TIMEOUT_S={env!r}: set it to a number of seconds from "
+                             f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (the collectives' timeout), "
+                             "or unset it")
         return value
     return DEFAULT_TIMEOUT_S if timeout_s is None else checked_timeout_s(timeout_s)
 
 
 def checked_timeout_s(timeout_s) -> float:
-    """``timeout_s`` as a float, refused naming it unless a finite number of seconds > 0."""
-    if not is_positive_number(timeout_s):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0 (the collectives' "
-                         f"timeout), got {timeout_s!r}")
+    """``timeout_s`` as a float, refused naming it unless a number of seconds in
+    [MIN_TIMEOUT_S, MAX_TIMEOUT_S]."""
+    if not _in_range(timeout_s):
+        raise ValueError(f"timeout_s must be a number of seconds from {MIN_TIMEOUT_S:g} to "
+                         f"{MAX_TIMEOUT_S:g} (the collectives' timeout), got {timeout_s!r}")
     return float(timeout_s)
+
+
+def _in_range(timeout_s) -> bool:
+    return is_positive_number(timeout_s) and MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S
 
 
 def shutdown(device: torch.device) -> None:
     """Synchronises and leaves the group (graphs must be released first: a process holding
-    captured collectives may not exit on its own)."""
+    captured collectives may not exit on its own). Every rank calls it after its last DPEngine
+    call; it waits for the others (``init_dp``'s timeout at most, then raises naming the ranks
+    that did not come, having left). A rank that faulted (``mark_fault``) leaves at once: its
+    peers may be held in a collective it will never join (they fail when its process ends, or
+    at the timeout). Afterwards every DPGroup of the process is closed (``check_open``).
+    Hazard: after a gloo collective failed (a timeout, a peer gone), the process may still
+    abort while exiting, as the interpreter tears the pairs down ("terminate called without
+    an active exception"; about 1 exit in 25 on gloo CPU ranks): leave by ``os._exit`` once
+    the error is reported."""
+    global _epoch, _fault, _store_exchanges
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if not dist.is_initialized():
         return
+    fault, timeout_s, epoch = _fault, _wait_s, _epoch
+    _epoch += 1  # every DPGroup is closed from here on, whatever happens below
+    _fault, _store_exchanges = None, 0
     if dist.get_backend() != "gloo":
         dist.destroy_process_group()
         return
     # Hazard: a rank that tears its gloo pairs down while a peer still completes the last
     # collective aborts that peer ("terminate called without an active exception", SIGABRT;
     # seen in CI and in a bench run on 2 cores, once with a barrier before the teardown: the
-    # barrier is itself a collective a peer may still be finishing). So: the barrier, then
-    # through the store (no gloo pair) every rank says it is past it before any tears down,
-    # and the store's host (rank 0) leaves last.
+    # barrier is itself a collective a peer may still be finishing). So no collective here:
+    # through the store (no gloo pair) every rank says it has returned from its last
+    # collective, each waits until all have, and the store's host (rank 0) leaves last.
+    # A gloo barrier also never paired after a fault: the peers were held in the step's
+    # collectives, and the barrier waited out the timeout, raising gloo's "Timed out".
     rank, size = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
-    dist.barrier()
-    store.set(f"dp_shutdown/past_barrier/{rank}", "1")
-    store.wait([f"dp_shutdown/past_barrier/{r}" for r in range(size)])
-    if rank == 0:
-        store.wait([f"dp_shutdown/left/{r}" for r in range(1, size)])
-    dist.destroy_process_group()
+
+    def key(step: str, r: int) -> str:  # the epoch: a store may outlive a world
+        return f"dp_shutdown/{epoch}/{step}/{r}"
+
+    if fault is not None:
+        _quietly(store.set, key("arrived", rank), "fault")
+        dist.destroy_process_group()
+        _quietly(store.set, key("left", rank), "1")
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    arrived = [key("arrived", r) for r in range(size)]
+    try:
+        try:
+            store.set(arrived[rank], "ok")
+            store.wait(arrived, timeout)
+        except Exception as e:  # a timeout, or the store gone
+            missing = _missing(store, arrived)
+            if missing != []:  # (none: they came just after the timeout)
+                raise RuntimeError(_unmet(f"dp rank {rank}/{size}", missing, timeout_s,
+                                          e)) from e
+        if rank == 0:  # every rank returned from its collectives: a late "left" harms none
+            _quietly(store.wait, [key("left", r) for r in range(1, size)], timeout)
+    finally:
+        dist.destroy_process_group()
     if rank != 0:
-        store.set(f"dp_shutdown/left/{rank}", "1")
+        _quietly(store.set, key("left", rank), "1")
+
+
+def _unmet(name: str, missing: list[int] | None, timeout_s: float, error: Exception) -> str:
+    if missing is None:
+        return (f"{name}: shutdown could not reach the group's store, on rank 0 ({error}): "
+                "rank 0 left first (its process ended, or a fault made it leave at once); "
+                "this rank left the group")
+    return (f"{name}: shutdown waited {timeout_s:g} s for ranks {missing} to reach shutdown() "
+            "(every rank calls it after its last DPEngine call; a rank still stepping waits "
+            "in a collective until the timeout); this rank left the group")
+
+
+def _quietly(fn, *args) -> None:
+    """``fn(*args)``, a store call whose failure leaves nothing to do: a rank that faulted,
+    or whose peers have all returned from their collectives, leaves anyway."""
+    with contextlib.suppress(Exception):
+        fn(*args)

@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lora_runtime.checks import is_int
+
 if TYPE_CHECKING:
+    from lora_runtime.dp.group import DPGroup
     from lora_runtime.lora.manager import LoRAManager
 
 
@@ -121,3 +124,49 @@ class ForwardBatch:
             DecodeAttention(torch.empty(0, 1, dtype=torch.long, device=device), empty),
             gathered=gathered,
         )
+
+
+def check_gathered(batch: ForwardBatch, dp: DPGroup | None) -> None:
+    """Raises ValueError, naming what differs, where ``batch.gathered`` cannot describe the
+    rows a model sharded over ``dp`` gathers for its MLP (``dp`` None: an unsharded model, for
+    which gathered is None or a group of one: this rank's rows). A host check, before any
+    LoRA state or collective. Without it a sharded forward failed in its first MLP on
+    ``None.rows_per_rank`` (after attention, on this rank alone: its peers waited in the
+    all-gather), and a layout whose rows of this rank were not the batch's (other adapters or
+    lengths) gave the MLP's LoRA to the wrong rows, silently."""
+    g = batch.gathered
+    name, size, rank = ("an unsharded model", 1, 0) if dp is None else (dp.name, dp.size,
+                                                                         dp.rank)
+    if g is None:
+        if dp is None:
+            return
+        raise ValueError(f"{name}: the model's MLP is sharded and runs on every rank's rows, "
+                         "but batch.gathered is None: set it to the step's GatheredRows, agreed "
+                         "by every rank (DPEngine does), or run an unsharded model")
+    if g.mode not in (ForwardMode.DECODE, ForwardMode.EXTEND):
+        raise ValueError(f"{name}: gathered.mode is {g.mode}; a step gathers DECODE or EXTEND "
+                         "rows (EXTEND when the ranks' modes differ)")
+    if g.mode is ForwardMode.DECODE and batch.mode is ForwardMode.EXTEND:
+        raise ValueError(f"{name}: an extend batch in a step whose gathered.mode is DECODE: a "
+                         "step that mixes modes gathers EXTEND rows")
+    if not is_int(g.rows_per_rank) or g.rows_per_rank < 0:
+        raise ValueError(f"{name}: gathered.rows_per_rank must be an integer >= 0, got "
+                         f"{g.rows_per_rank!r}")
+    if len(g.adapters) != size or len(g.lens) != size:
+        raise ValueError(f"{name}: gathered describes {len(g.adapters)} ranks' adapters and "
+                         f"{len(g.lens)} ranks' lengths; the MLP gathers {size} ranks' rows"
+                         + (" (shard it with lora_runtime.dp.shard.shard_mlp)" if dp is None
+                            else ""))
+    for r, (names, lens) in enumerate(zip(g.adapters, g.lens, strict=True)):
+        if len(names) != len(lens):
+            raise ValueError(f"{name}: gathered gives rank {r} {len(names)} adapters for "
+                             f"{len(lens)} requests' lengths")
+        if sum(lens) > g.rows_per_rank:
+            raise ValueError(f"{name}: gathered gives rank {r} {sum(lens)} rows, more than "
+                             f"its rows_per_rank {g.rows_per_rank}")
+    mine = (tuple(g.adapters[rank]), tuple(g.lens[rank]))
+    if mine != (tuple(batch.adapter_names), tuple(batch.extend_lens)):
+        raise ValueError(f"{name}: gathered's rows of this rank (adapters {mine[0]}, lengths "
+                         f"{mine[1]}) are not the batch's (adapters {batch.adapter_names}, "
+                         f"lengths {batch.extend_lens}): the MLP's LoRA would serve other rows. "
+                         "Build gathered from the same step as the batch")

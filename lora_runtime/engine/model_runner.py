@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, check_gathered
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.llama import LlamaForCausalLM
@@ -23,6 +23,7 @@ class ModelRunner:
     @torch.no_grad()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (the model's dtype) of ``batch.logits_rows``."""
+        check_gathered(batch, self.dp)  # before any LoRA state or collective
         if self.lora is not None and (batch.mode is not ForwardMode.IDLE
                                       or batch.gathered is not None):
             self.lora.prepare_lora_batch(batch)
