@@ -28,7 +28,10 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
     )
 
 
-def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, what: str) -> None:
+def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, what: str,
+                 neutral_slot: int) -> None:
+    """``neutral_slot``: the weights' (``LoRAWeights.neutral_slot``, ``lora_a.shape[0]``); a
+    layout naming a slot past it would read ranks, scalings and weights past their ends."""
     check(
         layout is not None,
         lambda: f"{what}: no LoRA batch is prepared. Call "
@@ -40,6 +43,9 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
         lambda: f"{what}: the prepared LoRA metadata covers {layout.num_rows} rows but the input "
         f"has {rows}. The metadata is stale: prepare (or reset) the LoRA batch for this forward",
     )
+    top = layout.max_slot  # per launch: a layout may serve pools of other sizes
+    if top is not None and top > neutral_slot:
+        slots_past(top, neutral_slot, what)
     if layout.checked_on == device:
         return
     for name in ("token_slots", "permutation", "block_slots", "block_starts", "block_ends"):
@@ -50,6 +56,31 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
             f"{t.device}",
         )
     layout.checked_on = device
+
+
+def slots_past(top: int, neutral_slot: int, what: str) -> None:
+    """Raises: a layout naming slot ``top`` (``SegmentLayout.max_slot``, known on the host)
+    would read the weights' tables and weights past their ends."""
+    raise ValueError(f"{what}: the layout names slot {top} but the weights have slots "
+                     f"0..{neutral_slot - 1} and the neutral slot {neutral_slot}. Plan the "
+                     "layout from this pool's slots (is it another pool's layout?)")
+
+
+def check_rows_disjoint(name: str, t: torch.Tensor) -> None:
+    """2-D ``t``'s elements are distinct memory: a kernel that adds into ``t`` in place would
+    race on elements that share it (an ``expand()``-ed view, a row stride below the width).
+    Depends on the rows (one row of any row stride is fine), so not cached with a signature
+    that does not fix them; callers on a hot path test the usual case first (contiguous
+    columns, rows a row apart or one row)."""
+    (n0, n1), (s0, s1) = t.shape, t.stride()
+    dims = sorted((s, n) for s, n in ((s0, n0), (s1, n1)) if n > 1)
+    # Disjoint (a sufficient condition): the inner stride at least 1, the outer
+    # one past the inner dimension's extent.
+    ok = not dims or (dims[0][0] >= 1 and (len(dims) == 1 or dims[1][0] >= dims[0][0] * dims[0][1]))
+    check(ok, lambda: f"{name} has overlapping elements (shape {tuple(t.shape)}, strides "
+          f"{(s0, s1)}: an expand()-ed or as_strided view?); the kernel adds into {name} in "
+          f"place, so elements sharing memory race. Pass a contiguous tensor ({name}.contiguous(), "
+          "copied back after)")
 
 
 def check_weight_tables(weights: LoRAWeights, num_slices: int, device: torch.device) -> None:

@@ -1,6 +1,13 @@
 """LoRA-A for token embeddings is a gather: ``a[row, :r] = A_emb[slot, token_id[row], :r]``
 (``A_emb`` stores PEFT's ``lora_embedding_A`` transposed, so one row is contiguous).
-Its output has the shrink kernel's shape and feeds ``lora_expand``."""
+Its output has the shrink kernel's shape and feeds ``lora_expand``.
+
+Token ids outside ``[0, vocab)``: on CPU tensors they are refused (a ``ValueError`` naming
+them, in eager calls and traced replays alike). On a GPU, refusing them would need a device
+sync a launch: there the kernel masks them, so their rows read nothing and their ``a`` is zero
+(the LoRA term adds nothing). The engine refuses such prompts when they are added
+(``Engine.add_request``), and the base embedding asserts on them.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from kernels.weights import LoRAWeights
 @triton.jit
 def _embedding_gather_kernel(
     ids_ptr, a_ptr, out_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
-    stride_as, stride_av, stride_ar, stride_om, stride_or,
+    vocab, stride_as, stride_av, stride_ar, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     blk = tl.program_id(0)
@@ -31,10 +38,12 @@ def _embedding_gather_kernel(
     ids = tl.load(ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = m_mask[:, None] & (offs_r < rank)[None, :]
+    # Ids outside the vocabulary read nothing: their rows of ``a`` are stored as zeros.
+    known = (ids >= 0) & (ids < vocab)
     a = tl.load(
         a_ptr + slot.to(tl.int64) * stride_as + ids[:, None] * stride_av
         + offs_r[None, :] * stride_ar,
-        mask=mask, other=0.0,
+        mask=mask & known[:, None], other=0.0,
     )
     tl.store(out_ptr + rows[:, None] * stride_om + offs_r[None, :] * stride_or,
              a.to(tl.float32), mask=mask)
@@ -46,6 +55,20 @@ def _embedding_op(
     permutation: torch.Tensor, block_slots: torch.Tensor, block_starts: torch.Tensor,
     block_ends: torch.Tensor, block_m: int,
 ) -> torch.Tensor:
+    vocab = lora_a.shape[1]
+    if token_ids.device.type == "cpu" and token_ids.shape[0]:  # no device sync on CPU
+        lo, hi = (int(v) for v in torch.aminmax(token_ids))
+        check(lo >= 0 and hi < vocab, lambda: "lora_embedding_shrink: token_ids "
+              f"{[t for t in token_ids.tolist() if not 0 <= t < vocab][:5]} are outside the "
+              f"vocabulary 0..{vocab - 1}. Refuse such ids before the forward (the engine "
+              "refuses such prompts in add_request)")
+    return _gather(token_ids, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
+                   block_m)
+
+
+def _gather(token_ids, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
+            block_m) -> torch.Tensor:
+    """The kernel's launch: ids outside the vocabulary give rows of zeros."""
     t = token_ids.shape[0]
     max_rank = lora_a.shape[2]
     out = torch.empty(t, max_rank, dtype=torch.float32, device=token_ids.device)
@@ -53,7 +76,7 @@ def _embedding_op(
         return out
     _embedding_gather_kernel[(block_slots.shape[0],)](
         token_ids, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
-        *lora_a.stride(), *out.stride(),
+        lora_a.shape[1], *lora_a.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank),
     )
     return out
@@ -71,7 +94,8 @@ def lora_embedding_shrink(
     # Before the layout's row count: 2-D ids are not stale metadata.
     check(token_ids.dim() == 1, lambda: f"token_ids must be 1-D (one id a row), got shape "
           f"{tuple(token_ids.shape)}")
-    check_layout(layout, token_ids.shape[0], token_ids.device, "lora_embedding_shrink")
+    check_layout(layout, token_ids.shape[0], token_ids.device, "lora_embedding_shrink",
+                 weights.lora_a.shape[0])
     check(weights.is_embedding, "lora_embedding_shrink needs weights from "
           "LoRAWeights.for_embedding")
     check(token_ids.dtype in (torch.int32, torch.int64) and token_ids.is_contiguous(),

@@ -21,7 +21,13 @@ import triton.language as tl
 
 from kernels import config
 from kernels.block_rows import load_block
-from kernels.checks import check, check_dtype, check_layout, check_weight_tables
+from kernels.checks import (
+    check,
+    check_dtype,
+    check_layout,
+    check_rows_disjoint,
+    check_weight_tables,
+)
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -171,7 +177,10 @@ def lora_expand(
     embedding gather's). ``tiles``, ``block_n``, ``num_warps`` override the launch heuristics
     (tests, tuning)."""
     check_expand_args(weights, y, layout, "lora_expand")
-    check_shrunk(a, weights, y.shape[0])
+    s = y.stride()  # per call (it depends on the rows); the usual y in two comparisons
+    if not (s[1] == 1 and (s[0] >= y.shape[1] or y.shape[0] <= 1)):
+        check_rows_disjoint("y", y)
+    check_shrunk(a, weights, y)
     num_groups, block_n, tiles, num_warps = launch_shape(
         weights.slice_widths, layout.block_m, layout.block_slots.shape[0], weights.max_rank,
         y.device, tiles, block_n, num_warps)
@@ -182,11 +191,15 @@ def lora_expand(
     )
 
 
-def check_shrunk(a: torch.Tensor, weights: LoRAWeights, rows: int) -> None:
-    """``a`` is what ``lora_shrink`` returns for ``rows`` rows of these weights."""
-    want = (rows, weights.num_slices * weights.max_rank)
+def check_shrunk(a: torch.Tensor, weights: LoRAWeights, y: torch.Tensor) -> None:
+    """``a`` is what ``lora_shrink`` returns for ``y``'s rows of these weights, on ``y``'s
+    device."""
+    want = (y.shape[0], weights.num_slices * weights.max_rank)
     check(tuple(a.shape) == want and a.dtype == torch.float32,
           lambda: f"a must be float32 {list(want)} from lora_shrink, got {a.dtype} {list(a.shape)}")
+    if a.device != y.device:
+        raise ValueError(f"a is on {a.device} but y is on {y.device}: pass lora_shrink's "
+                         "output for inputs on y's device")
 
 
 def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayout | None,
@@ -198,7 +211,7 @@ def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayo
 
     # Before the layout's row count: a 1-D or 3-D y is not stale metadata.
     check(y.dim() == 2, bad_shape)
-    check_layout(layout, y.shape[0], y.device, what)
+    check_layout(layout, y.shape[0], y.device, what, weights.lora_a.shape[0])
     check(y.shape[1] == b.shape[1], bad_shape)
     check_weight_tables(weights, weights.num_slices, y.device)
     seen = weights.expand_checked
@@ -209,8 +222,9 @@ def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayo
           lambda: f"lora_b dtype {b.dtype} differs from y dtype {y.dtype} (y may also be a "
           "float32 delta)")
     check(b.device == y.device, lambda: f"lora_b is on {b.device} but y is on {y.device}")
-    check(b.shape[2] == weights.max_rank,
-          lambda: f"lora_b must be [slots, out, max_rank={weights.max_rank}], got {tuple(b.shape)}")
+    check(b.dim() == 3 and b.shape[0] == weights.num_slots and b.shape[2] == weights.max_rank,
+          lambda: f"lora_b must be [slots={weights.num_slots}, out, "
+          f"max_rank={weights.max_rank}], got {tuple(b.shape)}")
     weights.expand_checked = (b, y.dtype, y.device)
 
 

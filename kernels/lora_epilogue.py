@@ -67,7 +67,7 @@ class PendingLoRA:
 
     def check(self, y: torch.Tensor, what: str) -> None:
         check_expand_args(self.weights, y, self.layout, what)
-        check_shrunk(self.a, self.weights, y.shape[0])
+        check_shrunk(self.a, self.weights, y)
 
     def block_args(self) -> tuple:
         """What a by-blocks consumer's op takes after its own arguments (``block_args``)."""

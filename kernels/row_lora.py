@@ -111,13 +111,13 @@ class UnshrunkLoRA:
         seen = w.unshrunk_checked
         if (seen is not None and seen[0] is c and seen[1] == sig and layout is not None
                 and layout.num_rows == x.shape[0] == y.shape[0]
-                and layout.checked_on == sig[2]):
+                and layout.checked_on == sig[2] and (layout.max_slot or 0) <= seen[3]):
             self._tail = seen[2]
             return
         check_expand_args(w, y, layout, what)
         check_shrink_args(x, w, layout, what)
         self._tail = row_args(x, w, shrink=True)[1:]
-        w.unshrunk_checked = (c, sig, self._tail)
+        w.unshrunk_checked = (c, sig, self._tail, w.neutral_slot)
 
     def block_args(self) -> tuple:
         return block_args(self.x, self.weights, self.layout, shrink=True)

@@ -70,8 +70,13 @@ def plan_segments(
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
     if request_lens is None:  # decode: one row a request, at most a few hundred
-        return _plan_rows([int(s) for s in request_slots], block_m, skip_slot)
-    return _plan_requests(request_slots, request_lens, block_m, skip_slot)
+        plan = _plan_rows([int(s) for s in request_slots], block_m, skip_slot)
+    else:
+        plan = _plan_requests(request_slots, request_lens, block_m, skip_slot)
+    if plan.seg_slots and plan.seg_slots[0] < 0:  # segments come in ascending slot order
+        raise ValueError(f"request slot {plan.seg_slots[0]} is negative: slots are 0.. (the "
+                         "pool's slots, then its neutral slot)")
+    return plan
 
 
 def _plan_rows(slots: list[int], block_m: int, skip_slot: int | None) -> SegmentPlan:
@@ -158,6 +163,11 @@ class SegmentLayout:
     block_starts: torch.Tensor
     block_ends: torch.Tensor
     block_m: int
+    max_slot: int | None = None
+    """The largest slot any row or block may name, known on the host (the plan's, or a static
+    layout's neutral slot): launchers refuse it past the weights' neutral slot
+    (``kernels.checks.check_layout``). None for a layout built by hand from tensors: not
+    checked."""
     checked_on: torch.device | None = field(default=None, compare=False, repr=False)
     """Set by ``kernels.checks.check_layout`` once the five tensors passed its checks there
     (their dtype, device and contiguity never change: the buffer is never replaced)."""
@@ -198,8 +208,21 @@ class SegmentLayout:
         # allocator records the copy's stream and reuses the block only after it ran.
         buf = host.to(device, non_blocking=pinned)
         views = [buf[o : o + n] for o, n in parts]
-        return [SegmentLayout(*views[5 * i : 5 * i + 5], block_m=plan.block_m)
+        return [SegmentLayout(*views[5 * i : 5 * i + 5], block_m=plan.block_m,
+                              max_slot=_max_slot(plan))
                 for i, plan in enumerate(plans)]
+
+
+def _max_slot(plan: SegmentPlan) -> int:
+    """The plan's largest slot (-1: no rows). From its segments, which ``plan_segments``
+    makes in ascending slot order, and every row and block is of one."""
+    slots = plan.seg_slots
+    if not slots:
+        return -1
+    if slots[0] < 0:  # a plan built by hand: ``plan_segments`` refuses them
+        raise ValueError(f"the plan names slot {slots[0]}: slots are 0.. (the pool's slots, "
+                         "then its neutral slot)")
+    return slots[-1]
 
 
 _ALIGN = 4  # int32 entries in 16 bytes
@@ -241,6 +264,9 @@ class StaticSegmentLayout:
     def __init__(
         self, max_rows: int, num_slots: int, block_m: int, neutral_slot: int, device
     ) -> None:
+        if not 0 <= neutral_slot < num_slots:
+            raise ValueError(f"neutral_slot={neutral_slot} must be one of the {num_slots} slots "
+                             f"0..{num_slots - 1} (num_slots counts the neutral one)")
         self.max_rows, self.num_slots = max_rows, num_slots
         self.block_m, self.neutral_slot = block_m, neutral_slot
         cap = max_blocks(max_rows, block_m, num_slots)
@@ -269,7 +295,8 @@ class StaticSegmentLayout:
         offsets = [0, self.max_rows, 2 * self.max_rows]
         offsets += [offsets[2] + k * self.blocks_for(self.max_rows) for k in (1, 2)]
         parts = [self._buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
-        return SegmentLayout(*parts, block_m=self.block_m)
+        # ``write`` keeps every slot at or below the neutral one (the last row of the tables).
+        return SegmentLayout(*parts, block_m=self.block_m, max_slot=self.neutral_slot)
 
     def holds(self, spec: SegmentSpec, rows: int) -> bool:
         """The buffer already holds ``spec``'s plan and it fits the ``rows``-row view."""
@@ -285,6 +312,9 @@ class StaticSegmentLayout:
         self._check_rows(rows)
         if plan is not None and plan.block_m != self.block_m:
             raise ValueError(f"plan has block_m={plan.block_m}, layout needs {self.block_m}")
+        if plan is not None and _max_slot(plan) > self.neutral_slot:
+            raise ValueError(f"plan names slot {_max_slot(plan)} but this layout's slots are "
+                             f"0..{self.neutral_slot} (its neutral slot last)")
         if plan is not None and (plan.num_rows > rows or len(plan.blocks) > self.blocks_for(rows)):
             raise ValueError(
                 f"batch needs {plan.num_rows} rows and {len(plan.blocks)} blocks but the "

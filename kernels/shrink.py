@@ -154,7 +154,7 @@ def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayo
     # Before the layout's row count: a 1-D or 3-D x is not stale metadata.
     check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
           f"shape {tuple(x.shape)} strides {x.stride()}")
-    check_layout(layout, x.shape[0], x.device, what)
+    check_layout(layout, x.shape[0], x.device, what, weights.lora_a.shape[0])
     a = weights.lora_a
     check_weight_tables(weights, weights.num_slices, x.device)
     seen = weights.shrink_checked

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.checks import check
+from kernels.checks import check, check_rows_disjoint
 from kernels.expand import (
     add_tiles,
     check_expand_args,
@@ -71,6 +71,11 @@ def _shrink_expand_op(
     grid = (block_slots.shape[0], num_groups)
     if y.shape[0] == 0 or grid[0] == 0:
         return
+    # Here, not in the launcher: a traced replay runs this body on its real tensors (a
+    # tracer's fake ones have no memory to compare).
+    check(not shares_memory(x, y), lambda: "lora_shrink_expand: y shares memory with x; each "
+          "program recomputes x's shrink while others add into y. Add in place with "
+          "lora_expand(lora_shrink(x, ...), ..., y, ...), or pass a y of its own")
     max_rank = lora_b.shape[2]
     _shrink_expand_kernel[grid](
         x, lora_a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
@@ -96,6 +101,41 @@ def lora_shrink_expand(
                       *_checked_tail(x, weights, y, layout, (block_k, tiles, block_n)))
 
 
+def shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether 2-D ``x`` (contiguous columns) and 2-D ``y`` of as many rows may share memory.
+    Usually their byte ranges do not meet (the one that starts later starts past the other's
+    end: no more is computed). Where they meet, rows of equal byte strides with contiguous
+    columns (two column slices of one buffer) are compared exactly; other strided layouts
+    count as sharing."""
+    xp, yp = x.data_ptr(), y.data_ptr()
+    if yp >= xp:
+        (n, k), (sx, _) = x.shape, x.stride()
+        if n == 0 or yp >= xp + ((n - 1) * sx + k) * x.element_size():
+            return False
+    else:
+        (n, w), (s0, s1) = y.shape, y.stride()
+        if n == 0 or xp >= yp + ((n - 1) * s0 + (w - 1) * s1 + 1) * y.element_size():
+            return False
+    return _rows_meet(x, y, yp - xp)
+
+
+def _rows_meet(x: torch.Tensor, y: torch.Tensor, d: int) -> bool:
+    """``shares_memory`` where the byte ranges meet; ``d``: y's first byte less x's."""
+    (n, k), (sx, _) = x.shape, x.stride()
+    (_, w), (s0, s1) = y.shape, y.stride()
+    ex, ey = x.element_size(), y.element_size()
+    s, kx, ky = sx * ex, k * ex, w * ey
+    if s1 != 1:
+        return True
+    if n == 1:
+        return -ky < d < kx
+    if s0 * ey != s or s <= 0:
+        return True
+    # Row r of x and row r + j of y meet iff -ky < d + j * s < kx, for |j| < n.
+    lo, hi = (-ky - d) // s + 1, -((d - kx) // s) - 1
+    return max(lo, 1 - n) <= min(hi, n - 1)
+
+
 def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,
                   layout: SegmentLayout | None, overrides: tuple) -> tuple:
     """The op's arguments after ``x, A, B, y``, from the shrink's and the expand's checks in
@@ -108,12 +148,14 @@ def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,
     seen, sig = w.one_launch_checked, None
     if x.dim() == 2 and y.dim() == 2:  # else the checks below name the input
         # ids compare safely: ``seen`` holds the objects, so no other object takes their ids.
+        # The layout (held) fixes the rows: y's strides were checked (disjoint) on as many.
         sig = (tuple(map(id, held)), x.dtype, x.device, x.shape[1], x.stride(), y.dtype,
                y.device, y.shape[1], y.stride(), overrides)
         if seen is not None and seen[1] == sig and layout.num_rows == x.shape[0] == y.shape[0]:
             return seen[2]
     check_shrink_args(x, w, layout, "lora_shrink_expand")
     check_expand_args(w, y, layout, "lora_shrink_expand")
+    check_rows_disjoint("y", y)  # once per signature (the layout fixes the rows)
     block_k, tiles, block_n = overrides
     num_groups, block_n, tiles, num_warps = launch_shape(
         w.slice_widths, layout.block_m, layout.block_slots.shape[0], w.max_rank, y.device,

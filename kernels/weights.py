@@ -51,9 +51,9 @@ class LoRAWeights:
     """``(tensors held, signature, launch arguments)`` of the last signature
     ``kernels.shrink_expand.lora_shrink_expand`` checked in full."""
     unshrunk_checked: tuple | None = field(default=None, compare=False, repr=False)
-    """``(row_constants, signature, launch arguments)`` of the input/output signature
-    ``kernels.row_lora.UnshrunkLoRA.check`` passed in full (a term a consumer computes from
-    the input)."""
+    """``(row_constants, signature, launch arguments, neutral slot)`` of the input/output
+    signature ``kernels.row_lora.UnshrunkLoRA.check`` passed in full (a term a consumer
+    computes from the input); a layout's slots are compared with the neutral slot each time."""
     block_constants: tuple | None = field(default=None, compare=False, repr=False)
     """What a by-blocks consumer takes of these weights and a layout (``kernels.row_lora.
     block_args``), kept for the last layout and input signature."""
