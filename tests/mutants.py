@@ -471,6 +471,12 @@ MUTANTS = [
            (("            sorted(self.lora.pool.pinned))", "            ())"),),
            ("tests/test_dp_control.py::test_a_pin_on_one_rank_is_refused_on_every_rank_before_"
             "the_forward",)),
+    Mutant("overlap_discarded_wait_drops_stream",
+           "overlap: an interrupt while the host waits for a step run ahead that serves no one "
+           "drops the step just read from step()'s return (its stop token never streamed)",
+           "lora_runtime/engine/engine.py",
+           (("            self._undelivered += produced\n", "            pass\n"),),
+           ("tests/test_engine_faults_stream.py",)),
     Mutant("dp_forward_fault_retried",
            "DP: a rank whose forward raised mid-step steps again: its agreement pairs with a "
            "peer's MLP all-gather (gloo aborts the process)",

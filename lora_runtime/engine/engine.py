@@ -155,9 +155,17 @@ class Engine:
     def _check(self, req: Request) -> None:
         vocab = self.runner.model.config.vocab_size
         if min(req.prompt) < 0 or max(req.prompt) >= vocab:
-            bad = [t for t in req.prompt if not 0 <= t < vocab]
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"0..{vocab - 1}")
+            at = [i for i, t in enumerate(req.prompt) if not 0 <= t < vocab][:5]
+            raise ValueError(f"prompt token ids {[req.prompt[i] for i in at]} at positions {at} "
+                             f"are outside the vocabulary 0..{vocab - 1} of this model: "
+                             "tokenize with the model's tokenizer")
+        # A stop id no token can match (another tokenizer's end-of-sequence id) would let the
+        # request run to max_new_tokens without a word.
+        bad_stops = [t for t in req.stop_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_ids {bad_stops[:5]} are outside the vocabulary "
+                             f"0..{vocab - 1} of this model, so they could never stop the "
+                             "request: take them from the model's tokenizer")
         if req.adapter is not None and not isinstance(req.adapter, str):
             raise ValueError(f"adapter must be an adapter's name (str), or None for the base "
                              f"model, got {req.adapter!r}")
@@ -304,7 +312,7 @@ class Engine:
     def _step_overlapped(self) -> list[tuple[Request, int]]:
         if self._unread is not None:  # the last call's read was interrupted: read it now
             unread, self._unread = self._unread, None
-            return self._finish(unread) + self._finish_discarded()
+            return self._and_discarded(self._finish(unread))
         cur, self._inflight = self._inflight, None
         if cur is None:
             start = self._start_step()
@@ -324,7 +332,7 @@ class Engine:
                     return self._launch(ahead, self._build(ahead, cur), start, ahead=True)
 
             self._inflight = self._ahead_of(cur, launch)
-        return self._finish(cur) + self._finish_discarded()
+        return self._and_discarded(self._finish(cur))
 
     def _ahead_of(self, cur: LaunchedStep, launch: Callable[[], LaunchedStep | None]
                   ) -> LaunchedStep | None:
@@ -336,6 +344,16 @@ class Engine:
             # Hazard: the tokens are in the requests' ``output`` now; a streaming caller reads
             # them from ``step()``'s return, which this raise skips: the next call returns them.
             self._undelivered += self._finish(cur)
+            raise
+
+    def _and_discarded(self, produced: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """``produced`` (a step just read) and ``_finish_discarded``'s; where the latter raises
+        (an interrupt while the host waits for the discarded step), ``produced`` is returned by
+        the next ``step()``: its tokens are in the requests' ``output`` already."""
+        try:
+            return produced + self._finish_discarded()
+        except BaseException:
+            self._undelivered += produced
             raise
 
     def _finish_discarded(self) -> list[tuple[Request, int]]:

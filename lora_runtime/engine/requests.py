@@ -36,7 +36,17 @@ def int_ids(label: str, ids) -> list[int]:
 
 def id_sequence(label: str, ids) -> list:
     """``ids`` as a list, where it is a sequence of ids; ValueError naming ``label`` where it
-    is not one (an int, None, a string: ``list("12")`` would read characters)."""
+    is not one (an int, None, a string: ``list("12")`` would read characters). A 1-D tensor or
+    array (a tokenizer's ``input_ids[0]``) gives its values (``list()`` of a tensor gave 0-d
+    tensors, refused as 'not integers'); one of another rank (a batch) is refused."""
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        if ids.ndim != 1:
+            fix = ("pass a list of ids ([id] for one)" if ids.ndim == 0 else
+                   "for a tokenizer's batch of one pass ids[0]; for several prompts, "
+                   "Engine.add_requests")
+            raise ValueError(f"{label} must be one prompt's token ids (1-D), got a {ids.ndim}-D "
+                             f"{type(ids).__name__} of shape {tuple(ids.shape)}: {fix}")
+        return ids.tolist()
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"{label} must be a sequence of token ids, got {ids!r}")
     return list(ids)
