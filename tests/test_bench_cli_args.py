@@ -40,7 +40,8 @@ DP = ["--preset", "tiny", "--layers", "1", "--requests-per-rank", "1", "--prompt
     (["--prompt", "x"], "argument --prompt: 'x' is not an integer"),
     (["--requests-per-rank", "0"], "--requests-per-rank"),
     (["--timeout", "0"], "--timeout"),
-    (["--timeout", "inf"], "--timeout must be a finite number"),
+    (["--timeout", "inf"], "--timeout: timeout_s must be a number of seconds from 0.001"),
+    (["--timeout", "1e-9"], "--timeout: timeout_s must be a number of seconds from 0.001"),
 ])
 def test_dp_bench_refuses_bad_sizes_before_spawning(monkeypatch, capsys, tmp_path, argv, says):
     monkeypatch.setattr(dp_bench, "spawn", _never)
