@@ -5,6 +5,7 @@ happened on this rank; ``tests/test_dp_control.py`` compares the ranks."""
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import torch
@@ -215,13 +216,7 @@ def fault_rank(rank: int, size: int, out_dir: str) -> None:
     eng.add_request(PROMPTS["ad1"], "ad1", max_new_tokens=4)
     eng.step()
     if rank == 0:
-        real = eng.runner.forward_eager
-
-        def fail_once(batch):
-            eng.runner.forward_eager = real
-            raise RuntimeError("injected fault")
-
-        eng.runner.forward_eager = fail_once
+        fail_next_forward(eng)
     attempt("fault", eng.step)  # rank 1 waits in the MLP's all-gather until rank 0 has gone
     attempt("step after", eng.step)
     attempt("unload after", lambda: eng.unload_adapter("ad3"))
@@ -244,3 +239,25 @@ def _attempt(log: dict, key: str, fn) -> None:
         log[key] = fn()
     except (ValueError, RuntimeError) as e:
         log[key] = f"{type(e).__name__}: {e}"
+
+
+def timed(log: dict, key: str, fn) -> None:
+    """``log[key]``: "ok" or the error ``fn()`` raised, as text; ``log[key + " s"]``: seconds."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        log[key] = "ok"
+    except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
+        log[key] = f"{type(e).__name__}: {e}"
+    log[key + " s"] = time.monotonic() - t0
+
+
+def fail_next_forward(eng) -> None:
+    """``eng``'s next eager forward raises "injected fault" (once)."""
+    real = eng.runner.forward_eager
+
+    def fail_once(batch):
+        eng.runner.forward_eager = real
+        raise RuntimeError("injected fault")
+
+    eng.runner.forward_eager = fail_once

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from dp_control_world import _sharded_runner
+from dp_control_world import _sharded_runner, timed
 
 from lora_runtime.dp.dp_engine import DPEngine
 from lora_runtime.dp.group import init_dp, shutdown
@@ -24,15 +24,6 @@ CPU = torch.device("cpu")
 CFG = SchedulerConfig(max_batch_size=4, max_step_tokens=16)
 
 
-def _timed(log: dict, key: str, fn) -> None:
-    t0 = time.monotonic()
-    try:
-        fn()
-        log[key] = "ok"
-    except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
-        log[key] = f"{type(e).__name__}: {e}"
-    log[key + " s"] = time.monotonic() - t0
-
 
 def diverging_rank(rank: int, call: str, out_dir: str) -> None:
     """Rank 0 makes ``call`` (build a DPEngine, or shut down) while rank 1 steps."""
@@ -43,14 +34,14 @@ def diverging_rank(rank: int, call: str, out_dir: str) -> None:
     if rank == 0:
         fn = (lambda: DPEngine(eng.runner, dp, CFG)) if call == "build" else (
             lambda: shutdown(CPU))
-    _timed(log, "diverging call", fn if rank == 0 else eng.step)
-    _timed(log, "step after", eng.step)
+    timed(log, "diverging call", fn if rank == 0 else eng.step)
+    timed(log, "step after", eng.step)
     if call == "shutdown" and rank == 1:
         # Rank 0 waits for this rank to reach shutdown() until the timeout, as this rank
         # waits in its agreement: a shutdown of its at once could just make rank 0's check
         # after the timeout (then rank 0 rightly leaves, every rank having come).
         time.sleep(TIMEOUT_S)
-    _timed(log, "shutdown", lambda: shutdown(CPU))
+    timed(log, "shutdown", lambda: shutdown(CPU))
     torch.save(log, Path(out_dir, f"calls{rank}.pt"))
     # Hazard: a process whose gloo collective failed may abort while exiting, as its pairs
     # are torn down ("terminate called without an active exception"; tests/test_dp_group.py).

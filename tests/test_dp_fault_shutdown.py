@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from dp_control_world import PROMPTS, _sharded_runner
+from dp_control_world import PROMPTS, _sharded_runner, fail_next_forward, timed
 from dp_world import adapters
 
 from lora_runtime.dp.dp_engine import DPEngine
@@ -41,22 +41,12 @@ def _engine(dp) -> DPEngine:
     return eng
 
 
-def _timed(log: dict, key: str, fn) -> None:
-    """``log[key]``: "ok" or the error ``fn()`` raised, as text; ``log[key + " s"]``: seconds."""
-    t0 = time.monotonic()
-    try:
-        fn()
-        log[key] = "ok"
-    except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
-        log[key] = f"{type(e).__name__}: {e}"
-    log[key + " s"] = time.monotonic() - t0
-
 
 def _after_shutdown(log: dict, eng: DPEngine, dp) -> None:
     for key, fn in (("step", eng.step), ("generate", lambda: eng.generate([[1, 2]], [None], 2)),
                     ("unload", lambda: eng.unload_adapter("ad0")), ("warm_up", eng.warm_up),
                     ("new engine", lambda: DPEngine(eng.runner, dp))):
-        _timed(log, "after shutdown: " + key, fn)
+        timed(log, "after shutdown: " + key, fn)
 
 
 def fault_then_shutdown_rank(rank: int, out_dir: str) -> None:
@@ -69,17 +59,11 @@ def fault_then_shutdown_rank(rank: int, out_dir: str) -> None:
     spare = DPEngine(eng.runner, dp, SchedulerConfig(max_batch_size=4, max_step_tokens=16))
     log: dict = {}
     if rank == 0:
-        real = eng.runner.forward_eager
-
-        def fail_once(batch):
-            eng.runner.forward_eager = real
-            raise RuntimeError("injected fault")
-
-        eng.runner.forward_eager = fail_once
-    _timed(log, "fault", eng.step)
+        fail_next_forward(eng)
+    timed(log, "fault", eng.step)
     if rank == 0:
-        _timed(log, "other engine", spare.step)
-    _timed(log, "shutdown", lambda: shutdown(CPU))
+        timed(log, "other engine", spare.step)
+    timed(log, "shutdown", lambda: shutdown(CPU))
     _after_shutdown(log, spare, dp)
     torch.save(log, Path(out_dir, f"fault{rank}.pt"))
     _leave()
@@ -126,10 +110,10 @@ def dead_peer_rank(rank: int, out_dir: str) -> None:
     if rank == 0:
         os._exit(3)
     log: dict = {}
-    _timed(log, "dead peer", eng.step)
-    _timed(log, "step again", eng.step)
-    _timed(log, "unload", lambda: eng.unload_adapter("ad0"))
-    _timed(log, "shutdown", lambda: shutdown(CPU))
+    timed(log, "dead peer", eng.step)
+    timed(log, "step again", eng.step)
+    timed(log, "unload", lambda: eng.unload_adapter("ad0"))
+    timed(log, "shutdown", lambda: shutdown(CPU))
     Path(out_dir, "dead1.json").write_text(json.dumps(log))
     _leave()
 
