@@ -195,6 +195,39 @@ class Engine:
                 f"{self.config.max_step_tokens} and chunked prefill is off. Enable "
                 "SchedulerConfig.chunked_prefill or raise max_step_tokens")
 
+    def abort(self, req: Request) -> bool:
+        """Cancels ``req`` (a request ``add_request`` returned): it finishes at once with
+        ``finish_reason == "abort"`` (``metrics.finish`` set, in ``finished`` like any finished
+        request), leaves the waiting queue or the running set (its adapter no longer counts
+        as running: it holds no slot against a pin or an eviction), and its KV slots are
+        freed. Waiting, mid chunked prefill or mid decode alike; the tokens it has keep its
+        ``output``, and no later token is appended or returned by ``step()`` (with
+        ``overlap``, the step in flight's row for it is discarded, as a stopped request's is,
+        and its slots, which that step still writes, are freed once the step is read, counted
+        as reserved until then). Returns False, changing nothing, where ``req`` has finished
+        already (a stop, its length, an earlier abort): a client that disconnects as its
+        request ends is no error. Raises ValueError for a request this engine never queued."""
+        if not isinstance(req, Request):
+            raise TypeError(f"abort takes the Request add_request returned, got "
+                            f"{type(req).__name__} {req!r}")
+        if req.metrics.finish is not None:
+            return False
+        if not self.scheduler.abort(req):
+            raise ValueError(f"request {req.id} is not queued or running on "
+                             "this engine: abort takes a request this engine's add_request "
+                             "returned")
+        req.finish_reason = "abort"
+        req.metrics.finish = self.clock()
+        self.finished.append(req)
+        # Tokens already in its output that no step() returned yet: the client is gone.
+        self._undelivered = [(r, t) for r, t in self._undelivered if r is not req]
+        if any(launched is not None and req in launched.plan.requests
+               for launched in (self._unread, self._inflight)):
+            self.scheduler.draining.append(req)  # freed by _finish once those steps are read
+        else:
+            release([req], self.kv)
+        return True
+
     @property
     def has_work(self) -> bool:
         return (self._inflight is not None or self._unread is not None
@@ -273,8 +306,9 @@ class Engine:
                 launched.ready.synchronize()  # its kernels still write the slots freed here
         self._inflight = self._unread = None
         self._undelivered = []
-        release(self.scheduler.running, self.kv)
+        release(self.scheduler.running + self.scheduler.draining, self.kv)
         self.scheduler.running.clear()
+        self.scheduler.draining.clear()
         self.scheduler.waiting.clear()
         if self.lora is not None:
             self.lora.reset_lora_batch()
@@ -397,9 +431,20 @@ class Engine:
             # taken, a step ahead maybe decoding from its tokens): read it again next call.
             self._unread = cur
             raise
+        self._release_drained()
         produced = self._take(cur.plan, tokens, cur.logits, cur.samples)
         self._record(cur.plan, cur.graph, cur.start, cur.jit, cur.ahead, cur.jit_end)
         return produced
+
+    def _release_drained(self) -> None:
+        """Frees the KV slots of aborted requests that no launched step still unread writes
+        (``abort``; called once a step's tokens are read, its device work done)."""
+        if not self.scheduler.draining:
+            return
+        pending = {r for launched in (self._unread, self._inflight) if launched is not None
+                   for r in launched.plan.requests}
+        release([r for r in self.scheduler.draining if r not in pending], self.kv)
+        self.scheduler.draining = [r for r in self.scheduler.draining if r in pending]
 
     def _next_plan(self) -> ScheduledStep | None:
         """The scheduler's next step, None when nothing runs; raises when the oldest waiting
@@ -520,6 +565,7 @@ class Engine:
             produced.append((req, tok))
             if req.done:
                 m.finish = now
+                req.finish_reason = "stop" if tok in req.stop_ids else "length"
                 self.scheduler.finish(req)
                 release([req], self.kv)
                 self.finished.append(req)

@@ -64,6 +64,9 @@ class Request:
     """Assigning a list converts it (``r.kv_slots = kv.alloc(n)``)."""
     id: int = -1
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    finish_reason: str | None = None
+    """Why it finished: ``"stop"`` (a stop id), ``"length"`` (``max_new_tokens``) or
+    ``"abort"`` (``Engine.abort``); None while it runs."""
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -95,6 +98,8 @@ class Request:
 
     @property
     def done(self) -> bool:
+        if self.finish_reason == "abort":
+            return True
         if self.output and self.output[-1] in self.stop_ids:
             return True
         return len(self.output) >= self.max_new_tokens

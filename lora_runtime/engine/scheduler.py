@@ -75,6 +75,9 @@ class Scheduler:
     adapter_quota: tuple[set[str], int] | None = None
     """Data-parallel attention: (adapters every rank may use, how many others this rank may
     add this step), so the union of all ranks' adapters fits the slots."""
+    draining: list[Request] = field(default_factory=list)
+    """Aborted requests whose KV slots a launched step not read yet still writes
+    (``Engine.abort``): their slots count as reserved until the engine frees them."""
     _overtaken: int = 0
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -84,13 +87,29 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         self.running.remove(req)
 
+    def abort(self, req: Request) -> bool:
+        """Takes ``req`` out of the waiting queue or the running set; False where it is in
+        neither. The oldest waiting request aborted, the next one starts its own overtake
+        count (it would inherit the aborted one's)."""
+        if req in self.running:
+            self.running.remove(req)
+            return True
+        if req not in self.waiting:
+            return False
+        if self.waiting[0] is req:
+            self._overtaken = 0
+        self.waiting.remove(req)
+        return True
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def reserved(self) -> int:
-        """KV slots the running requests hold or may still take."""
-        return sum(r.kv_budget for r in self.running)
+        """KV slots the running requests hold or may still take, and those aborted requests
+        still hold (``draining``)."""
+        return (sum(r.kv_budget for r in self.running)
+                + sum(len(r.kv_slots) for r in self.draining))
 
     def running_adapters(self) -> set[str]:
         return {r.adapter for r in self.running if r.adapter is not None}
