@@ -41,9 +41,10 @@ RESULTS = provenance.ROOT / "results"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", nargs="+", choices=(*SUITES, "all"), default=["all"],
-                   help="suites to run: " + "; ".join(f"{s.name}: {s.summary}"
-                                                       for s in SUITES.values()))
+    # extend: a second --suite adds its suites (it replaced the first flag's, silently).
+    p.add_argument("--suite", nargs="+", action="extend", choices=(*SUITES, "all"),
+                   default=None, help="suites to run (default: all; the flag may be repeated): "
+                   + "; ".join(f"{s.name}: {s.summary}" for s in SUITES.values()))
     p.add_argument("--profile", choices=("auto", *PROFILES), default="auto",
                    help="auto: gpu when CUDA is available, else cpu. " + "; ".join(
                        f"{p.name}: {p.summary}" for p in PROFILES.values()))
@@ -64,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def select(args, profile: str) -> dict[str, list]:
-    names = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    suites = args.suite or ["all"]
+    names = list(SUITES) if "all" in suites else list(dict.fromkeys(suites))
     every = {n: SUITES[n].cases(profile) for n in names}
     chosen = {n: case_mod.select(c, args.filter) for n, c in every.items()}
     if not any(chosen.values()):
@@ -198,7 +200,7 @@ def _report(out: Path) -> None:
     html = out / "report.html"
     try:
         report.write_report([out], [], html)
-    except results.ResultFileError as e:
+    except (results.ResultFileError, report.UnwritablePage) as e:
         print(f"no report: {e}")
         return
     print(f"report: {html}", file=sys.stdout)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from bench import case as case_mod
-from bench import cli, provenance
+from bench import cli, provenance, results
 from bench.profiles import PROFILES
 
 
@@ -38,6 +38,14 @@ def main(argv=None) -> int:
     out = args.out or (cli.RESULTS / "runs" /
                        f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{slug}-profile")
     cli.prepare_out(out, [], None)
+    try:
+        held = results.holds_results(out)
+    except results.ResultFileError as e:
+        raise SystemExit(f"error: {e} (--out {out})") from None
+    if held:  # the profiled case's rows would replace the ones timed without a profiler
+        raise SystemExit(f"--out {out}: the folder holds result files, whose rows of this case "
+                         "a profiled run would replace: give a fresh folder (or leave --out "
+                         "out)")
     nsys = shutil.which("nsys")
     use_nsys = bool(nsys and cuda and not args.torch)
     bench_args = ["--profile", args.profile, "--filter", case_mod.exact(label), "--out",

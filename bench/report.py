@@ -276,12 +276,25 @@ def write_report(paths: list[Path], baseline: list[Path], out: Path,
     if superseded:
         print(f"note: {superseded} rows superseded by later runs of the same case (the "
               "report shows the latest run of each case)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build(rows, runs, base_rows, base_runs))
+    page = build(rows, runs, base_rows, base_runs)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(page)
+    except OSError as e:  # a file where a folder of the path should be, a read-only folder
+        raise UnwritablePage(f"-o {out}: cannot write the report ({e.strerror}: "
+                             f"{e.filename}): give a path in a writable folder") from None
     return out
 
 
+class UnwritablePage(Exception):
+    """The report's HTML file cannot be written; the message names the path."""
+
+
 def _writable_page(out: Path) -> Path:
+    if out.suffix.lower() == ".json":  # it would overwrite a result file given as input, or
+        # be read as a corrupt result file by the next report of its folder
+        raise SystemExit(f"-o {out}: the report is an HTML page, and a .json file is read as "
+                         f"a result file: give an .html path (e.g. {out.with_suffix('.html')})")
     if out.is_dir():
         raise SystemExit(f"-o {out} is a folder: give the HTML file's path "
                          f"(e.g. {out / 'report.html'})")
@@ -329,6 +342,8 @@ def main(argv=None) -> int:
         write_report(paths, args.baseline, out, need_rows=True)
     except results.ResultFileError as e:
         raise SystemExit(f"error: {e}") from None
+    except UnwritablePage as e:
+        raise SystemExit(str(e)) from None
     print(f"report: {out}")
     if args.screenshot:
         screenshot(out, args.screenshot)
