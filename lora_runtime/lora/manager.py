@@ -99,6 +99,8 @@ class LoRAManager:
         if unknown:
             raise KeyError(f"the batch names adapters that are not loaded: {sorted(unknown)}. "
                            "Call LoRAManager.load_adapter(name, path) first")
+        if g is not None:
+            _check_gathered_rows(g)  # before any slot moves: the prepared batch keeps its own
         # Under DP every rank acquires the same union in the same order, so slots agree.
         self._acquire(used)
         slot_of = {None: self.neutral_slot, **self.pool.slot_of}
@@ -121,13 +123,11 @@ class LoRAManager:
         return plan
 
     def _gathered_spec(self, g: GatheredRows) -> SegmentSpec:
-        """Every rank's rows, rank after rank, each rank's padded (neutral) to rows_per_rank."""
+        """Every rank's rows, rank after rank, each rank's padded (neutral) to rows_per_rank
+        (``_check_gathered_rows`` passed)."""
         slots, lens = [], []
-        for rank, (names, rank_lens) in enumerate(zip(g.adapters, g.lens, strict=True)):
+        for names, rank_lens in zip(g.adapters, g.lens, strict=True):
             pad = g.rows_per_rank - sum(rank_lens)
-            if pad < 0:
-                raise ValueError(f"rank {rank} has {sum(rank_lens)} rows but the step agreed on "
-                                 f"{g.rows_per_rank} rows per rank")
             slots += [self.neutral_slot if n is None else self.pool.slot_of[n] for n in names]
             lens += [*rank_lens, pad]
             slots.append(self.neutral_slot)
@@ -316,6 +316,14 @@ class LoRAManager:
         base = getattr(parent, attr)
         setattr(parent, attr, WRAPPERS[attr](base, self.backend, weights))
         self.weights[key] = weights
+
+
+def _check_gathered_rows(g: GatheredRows) -> None:
+    """Raises where a rank's rows exceed the step's agreed ``rows_per_rank``."""
+    for rank, rank_lens in enumerate(g.lens):
+        if sum(rank_lens) > g.rows_per_rank:
+            raise ValueError(f"rank {rank} has {sum(rank_lens)} rows but the step agreed on "
+                             f"{g.rows_per_rank} rows per rank")
 
 
 def _check_representable(adapter: LoRAAdapter, dtype: torch.dtype) -> None:
