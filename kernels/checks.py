@@ -43,9 +43,13 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
         lambda: f"{what}: the prepared LoRA metadata covers {layout.num_rows} rows but the input "
         f"has {rows}. The metadata is stale: prepare (or reset) the LoRA batch for this forward",
     )
-    top = layout.max_slot  # per launch: a layout may serve pools of other sizes
+    # Per launch: a layout may serve pools of other sizes. One naming a slot past the neutral
+    # one would read the weights' tables and weights past their ends.
+    top = layout.max_slot
     if top is not None and top > neutral_slot:
-        slots_past(top, neutral_slot, what)
+        raise ValueError(f"{what}: the layout names slot {top} but the weights have slots "
+                         f"0..{neutral_slot - 1} and the neutral slot {neutral_slot}. Plan the "
+                         "layout from this pool's slots (is it another pool's layout?)")
     if layout.checked_on == device:
         return
     for name in ("token_slots", "permutation", "block_slots", "block_starts", "block_ends"):
@@ -56,14 +60,6 @@ def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, 
             f"{t.device}",
         )
     layout.checked_on = device
-
-
-def slots_past(top: int, neutral_slot: int, what: str) -> None:
-    """Raises: a layout naming slot ``top`` (``SegmentLayout.max_slot``, known on the host)
-    would read the weights' tables and weights past their ends."""
-    raise ValueError(f"{what}: the layout names slot {top} but the weights have slots "
-                     f"0..{neutral_slot - 1} and the neutral slot {neutral_slot}. Plan the "
-                     "layout from this pool's slots (is it another pool's layout?)")
 
 
 def check_rows_disjoint(name: str, t: torch.Tensor) -> None:
