@@ -19,6 +19,7 @@ from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
+from lora_runtime.engine.request_checks import check_request
 from lora_runtime.engine.requests import (
     Request,
     build_decode,
@@ -143,7 +144,8 @@ class Engine:
     def _checked(self, prompt_ids, adapter, max_new_tokens, stop_ids) -> Request:
         req = Request(id_sequence("prompt_ids", prompt_ids), adapter, max_new_tokens,
                       tuple(id_sequence("stop_ids", stop_ids)))
-        self._check(req)
+        check_request(req, self.runner.model.config, self.kv.max_tokens, self.config,
+                      self.lora)
         return req
 
     def _queue(self, req: Request) -> Request:
@@ -151,49 +153,6 @@ class Engine:
         req.metrics.arrival = self.clock()
         self.scheduler.add(req)
         return req
-
-    def _check(self, req: Request) -> None:
-        vocab = self.runner.model.config.vocab_size
-        if min(req.prompt) < 0 or max(req.prompt) >= vocab:
-            at = [i for i, t in enumerate(req.prompt) if not 0 <= t < vocab][:5]
-            raise ValueError(f"prompt token ids {[req.prompt[i] for i in at]} at positions {at} "
-                             f"are outside the vocabulary 0..{vocab - 1} of this model: "
-                             "tokenize with the model's tokenizer")
-        # A stop id no token can match (another tokenizer's end-of-sequence id) would let the
-        # request run to max_new_tokens without a word.
-        bad_stops = [t for t in req.stop_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise ValueError(f"stop_ids {bad_stops[:5]} are outside the vocabulary "
-                             f"0..{vocab - 1} of this model, so they could never stop the "
-                             "request: take them from the model's tokenizer")
-        if req.adapter is not None and not isinstance(req.adapter, str):
-            raise ValueError(f"adapter must be an adapter's name (str), or None for the base "
-                             f"model, got {req.adapter!r}")
-        if req.adapter is not None and self.lora is None:
-            raise ValueError(f"adapter {req.adapter!r}: this engine's runner has no LoRA "
-                             "manager, so it serves the base model only (adapter=None); build "
-                             "the ModelRunner with a LoRAManager to serve adapters")
-        if req.adapter is not None and req.adapter not in self.lora.adapters:
-            loaded = sorted(self.lora.adapters)
-            raise ValueError(f"unknown adapter {req.adapter!r} (loaded: {loaded}). Load it with "
-                             "Engine.load_adapter first, or pass adapter=None for the base model")
-        positions = self.runner.model.config.max_position_embeddings
-        if req.kv_budget > positions:
-            raise ValueError(
-                f"the request reaches position {req.kv_budget - 1} (prompt {len(req.prompt)} + "
-                f"max_new_tokens {req.max_new_tokens} - 1 tokens) but the model has "
-                f"max_position_embeddings = {positions}. Shorten the prompt or lower "
-                "max_new_tokens")
-        if req.kv_budget > self.kv.max_tokens:
-            raise ValueError(
-                f"the request needs {req.kv_budget} KV-cache slots (prompt {len(req.prompt)} + "
-                f"max_new_tokens {req.max_new_tokens} - 1) but the cache holds "
-                f"{self.kv.max_tokens}. Shorten it, or build the engine with a larger KV cache")
-        if not self.config.chunked_prefill and len(req.prompt) > self.config.max_step_tokens:
-            raise ValueError(
-                f"the prompt has {len(req.prompt)} tokens but a step takes at most "
-                f"{self.config.max_step_tokens} and chunked prefill is off. Enable "
-                "SchedulerConfig.chunked_prefill or raise max_step_tokens")
 
     def abort(self, req: Request) -> bool:
         """Cancels ``req`` (a request ``add_request`` returned): it finishes at once with

@@ -1,0 +1,61 @@
+"""What an engine can never serve: a request is checked before it is queued, and a refused one
+changes nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lora_runtime.engine.requests import Request
+    from lora_runtime.engine.scheduler import SchedulerConfig
+    from lora_runtime.lora.manager import LoRAManager
+    from lora_runtime.model.config import LlamaConfig
+
+
+def check_request(req: Request, model: LlamaConfig, kv_tokens: int, scheduler: SchedulerConfig,
+                  lora: LoRAManager | None) -> None:
+    """Raises ValueError naming the input and the fix where ``req`` could never be served: ids
+    outside ``model``'s vocabulary, an adapter ``lora`` has not loaded, more positions than the
+    model or a ``kv_tokens``-slot cache holds, a prompt longer than a step without chunked
+    prefill."""
+    vocab = model.vocab_size
+    if min(req.prompt) < 0 or max(req.prompt) >= vocab:
+        at = [i for i, t in enumerate(req.prompt) if not 0 <= t < vocab][:5]
+        raise ValueError(f"prompt token ids {[req.prompt[i] for i in at]} at positions {at} "
+                         f"are outside the vocabulary 0..{vocab - 1} of this model: "
+                         "tokenize with the model's tokenizer")
+    # A stop id no token can match (another tokenizer's end-of-sequence id) would let the
+    # request run to max_new_tokens without a word.
+    bad_stops = [t for t in req.stop_ids if not 0 <= t < vocab]
+    if bad_stops:
+        raise ValueError(f"stop_ids {bad_stops[:5]} are outside the vocabulary "
+                         f"0..{vocab - 1} of this model, so they could never stop the "
+                         "request: take them from the model's tokenizer")
+    if req.adapter is not None and not isinstance(req.adapter, str):
+        raise ValueError(f"adapter must be an adapter's name (str), or None for the base "
+                         f"model, got {req.adapter!r}")
+    if req.adapter is not None and lora is None:
+        raise ValueError(f"adapter {req.adapter!r}: this engine's runner has no LoRA "
+                         "manager, so it serves the base model only (adapter=None); build "
+                         "the ModelRunner with a LoRAManager to serve adapters")
+    if req.adapter is not None and req.adapter not in lora.adapters:
+        loaded = sorted(lora.adapters)
+        raise ValueError(f"unknown adapter {req.adapter!r} (loaded: {loaded}). Load it with "
+                         "Engine.load_adapter first, or pass adapter=None for the base model")
+    positions = model.max_position_embeddings
+    if req.kv_budget > positions:
+        raise ValueError(
+            f"the request reaches position {req.kv_budget - 1} (prompt {len(req.prompt)} + "
+            f"max_new_tokens {req.max_new_tokens} - 1 tokens) but the model has "
+            f"max_position_embeddings = {positions}. Shorten the prompt or lower "
+            "max_new_tokens")
+    if req.kv_budget > kv_tokens:
+        raise ValueError(
+            f"the request needs {req.kv_budget} KV-cache slots (prompt {len(req.prompt)} + "
+            f"max_new_tokens {req.max_new_tokens} - 1) but the cache holds "
+            f"{kv_tokens}. Shorten it, or build the engine with a larger KV cache")
+    if not scheduler.chunked_prefill and len(req.prompt) > scheduler.max_step_tokens:
+        raise ValueError(
+            f"the prompt has {len(req.prompt)} tokens but a step takes at most "
+            f"{scheduler.max_step_tokens} and chunked prefill is off. Enable "
+            "SchedulerConfig.chunked_prefill or raise max_step_tokens")
