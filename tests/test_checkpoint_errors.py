@@ -59,6 +59,14 @@ def test_a_plain_checkpoint_loads(tmp_path):
     assert torch.equal(model.lm_head.weight, t["lm_head.weight"])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8, None])
+def test_a_dtype_that_is_not_a_floating_torch_dtype_is_refused(tmp_path, dtype):
+    """"bfloat16" raised 'Invalid device string', None an AttributeError."""
+    _write(tmp_path / "ok", [_tensors(tied=False)])
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        load_hf_llama(tmp_path / "ok", dtype, "cpu")
+
+
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
     t = _tensors(tied=False)
     _write(tmp_path / "dup", [t, {"model.norm.weight": torch.zeros(16)}])
@@ -95,3 +103,31 @@ def test_a_peft_adapter_over_replicated_layers_is_refused(tmp_path):
                                    | {"layer_replication": [[0, 1], [0, 1]]}))
     with pytest.raises(AdapterError, match="layer_replication"):
         load_peft_adapter(tmp_path / "x")
+
+
+def _break_int8(path):
+    t = _tensors(tied=False)
+    t["model.layers.0.mlp.down_proj.weight"] = torch.ones(16, 32, dtype=torch.int8)
+    save_file(t, str(path / "model-0.safetensors"))
+
+
+@pytest.mark.parametrize("fault, says", [
+    # An integer (quantized) tensor was cast and served as weights of its integer values.
+    (_break_int8, "down_proj.weight has dtype torch.int8; weights must be floating point"),
+    # The index and shard faults raised a bare JSONDecodeError, KeyError or
+    # SafetensorError naming no file.
+    (lambda p: (p / "model.safetensors.index.json").write_text("{"),
+     "model.safetensors.index.json is not a JSON object"),
+    (lambda p: (p / "model.safetensors.index.json").write_text("{}"), "has no weight_map"),
+    (lambda p: (p / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-1.safetensors"}})),
+     r"names shards that are not in .*\['model-1.safetensors'\]"),
+    (lambda p: (p / "model-0.safetensors").write_bytes(b"garbage"),
+     "model-0.safetensors could not be read"),
+])
+def test_a_checkpoint_it_cannot_read_as_weights_is_refused_naming_the_file(tmp_path, fault,
+                                                                            says):
+    _write(tmp_path / "ck", [_tensors(tied=False)])
+    fault(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=says):
+        load_hf_llama(tmp_path / "ck", torch.float32, "cpu")

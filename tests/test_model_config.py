@@ -36,6 +36,12 @@ HF = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type"
     ({"head_dim": True}, "head_dim must be a positive integer"),  # passed as head_dim 1
     ({"hidden_size": "64"}, "hidden_size must be a positive integer"),  # a TypeError
     ({"num_attention_heads": 4.0}, "num_heads must be a positive integer"),
+    # Loaded its packed integers or scales as if they were the weights, or refused naming a
+    # tensor of the quantization.
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method='bitsandbytes'"),
+    # Two rope_theta: transformers v5 reads the rope dict's, v4 the top-level one (served).
+    ({"rope_theta": 500000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_theta=500000.0 and 10000.0"),
 ])
 def test_a_config_the_model_cannot_serve_is_refused(extra, says):
     with pytest.raises(ValueError, match=says):
@@ -52,6 +58,8 @@ def test_explicit_nulls_take_the_defaults():
     assert (cfg.head_dim, cfg.num_kv_heads) == (HF["hidden_size"] // HF["num_attention_heads"],
                                                 HF["num_attention_heads"])
     assert LlamaConfig.from_hf(HF).num_kv_heads == 1  # no model_type, no architectures: fine
+    v5 = HF | {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert LlamaConfig.from_hf(v5).rope_theta == 5e5
 
 
 @pytest.mark.parametrize("scaling, says", [

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.llama import LlamaForCausalLM
@@ -23,6 +23,10 @@ class CheckpointError(ValueError):
 
 
 def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        # A string ("bfloat16", as transformers takes) was read as a device by Module.to.
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got "
+                        f"{dtype!r}")
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -37,7 +41,7 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
     filled: dict[str, str] = {}  # tensor name -> the file that held it
     tied_head = None
     for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with _open(file) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 if _IGNORED.search(key):
                     continue
@@ -54,6 +58,9 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                                           "a Llama model)")
                 dest = params[target].data if rows is None else params[target].data[rows]
                 t = f.get_tensor(key)
+                if not t.is_floating_point():  # a cast would serve its integers as weights
+                    raise CheckpointError(f"{file.name}: {key} has dtype {t.dtype}; weights must "
+                                          "be floating point (dequantize the checkpoint)")
                 if tuple(t.shape) != tuple(dest.shape):
                     raise CheckpointError(f"{file.name}: {key} has shape {tuple(t.shape)}, "
                                           f"expected {tuple(dest.shape)} from config.json")
@@ -85,13 +92,30 @@ def _narrows(src: torch.dtype, dst: torch.dtype) -> bool:
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a JSON object: {e}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(n, str) for n in weight_map.values()):
+            raise CheckpointError(f"{index} has no weight_map of tensor name -> shard file")
+        files = [path / n for n in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are not in {path}: {missing}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors in {path} (PyTorch .bin checkpoints are not "
                               "read: convert them to safetensors)")
     return files
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file} could not be read (corrupt safetensors?): {e}") from None
 
 
 def _destination(key: str, config: LlamaConfig) -> tuple[str, slice | None]:

@@ -111,6 +111,12 @@ class LlamaConfig:
                 raise ValueError(f"{key}=true is not supported (Llama checkpoints have no biases)")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; Llama uses silu")
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"]
+            method = method.get("quant_method") if isinstance(method, dict) else method
+            raise ValueError(f"a quantized checkpoint (quantization_config, quant_method="
+                             f"{method!r}) is not supported: dequantize it to bf16/fp16/fp32")
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         return LlamaConfig(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -120,9 +126,8 @@ class LlamaConfig:
             num_kv_heads=_given(cfg.get("num_key_value_heads"), cfg["num_attention_heads"]),
             head_dim=_hf_head_dim(cfg.get("head_dim")),
             rms_norm_eps=_given(cfg.get("rms_norm_eps"), 1e-6),
-            rope_theta=_given(cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get(
-                "rope_theta"), 10000.0),
-            rope_scaling=cfg.get("rope_scaling") or cfg.get("rope_parameters"),
+            rope_theta=_hf_rope_theta(cfg.get("rope_theta"), rope),
+            rope_scaling=rope,
             max_position_embeddings=_given(cfg.get("max_position_embeddings"), 4096),
             tie_word_embeddings=_hf_flag(cfg, "tie_word_embeddings"),
         )
@@ -150,6 +155,16 @@ def _hf_head_dim(value) -> int:
                          f"got {value!r} (null derives it from hidden_size / "
                          "num_attention_heads)")
     return value
+
+
+def _hf_rope_theta(top, rope):
+    """config.json's ``rope_theta``, or that of its rope dict (``rope_parameters`` in
+    Hugging Face v5, which reads the dict's where both are given, v4 the top-level one)."""
+    inner = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if top is not None and inner is not None and top != inner:
+        raise ValueError(f"config.json gives rope_theta={top!r} and {inner!r} in its rope "
+                         "parameters: which one is meant is not known; keep one of them")
+    return _given(top, inner, 10000.0)
 
 
 def _given(*values):
