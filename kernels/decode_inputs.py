@@ -58,14 +58,13 @@ def write_decode_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, 
           "kv_indices rows must be contiguous")
     check(all(t.numel() <= 1 or t.stride(0) == 1 for t in dst[:4] + (src or ())[:4]),
           "ids, positions, cache slots and lengths must be contiguous vectors")
-    if src is None:
-        src = dst  # never read: every row is padding
-        width = 0
-    else:
+    if src is not None:
         width = src[4].shape[1]
         check(width <= max_context, lambda: f"the batch's KV table is {width} wide; the "
               f"buffers hold {max_context}: capture the decode graphs with a larger max_context")
         check(all(t.shape[0] == n for t in src), "the batch's tensors differ in rows")
+    if n == 0:  # a batch of no rows too: the kernel reads row 0 of src (empty: out of bounds)
+        src, width = dst, 0  # never read: every row is padding
     if bucket == 0:
         return
     _write_decode_inputs_kernel[(bucket,)](

@@ -164,6 +164,8 @@ def extend_attention(
         check(c.dtype == q.dtype and c.device == q.device,
               lambda: f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep "
               f"the KV cache in the model dtype")
+    check(k_cache.shape == v_cache.shape, lambda: f"k_cache {tuple(k_cache.shape)} and v_cache "
+          f"{tuple(v_cache.shape)} differ")
     check(heads % k_cache.shape[1] == 0, lambda: f"q has {heads} heads, not a multiple of the "
           f"cache's {k_cache.shape[1]} KV heads")
     check(kv_indices.dim() == 1 and kv_indices.stride(0) == 1,

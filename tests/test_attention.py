@@ -169,6 +169,9 @@ def test_launchers_name_the_fix():
     starts = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="build_extend"):
         extend_attention(q, k, k, table[0], starts, starts[:2], 1.0)
+    for v in (k[:, :1], k[:2]):  # fewer KV heads or slots: read past v_cache
+        with pytest.raises(ValueError, match=r"and v_cache .* differ"):
+            extend_attention(q, k, v.contiguous(), table[0], starts[:2], starts[:2], 1.0)
 
 
 # -- the model, Triton attention inside graph replays -----------------------------------------

@@ -73,3 +73,14 @@ def test_write_refuses_a_batch_wider_than_the_buffers():
         write_decode_inputs(buffers._static, src, 2, KVCache.SCRATCH)
     with pytest.raises(ValueError, match="does not fit"):
         write_decode_inputs(buffers._static, src[:4] + (src[4][:, :8],), 1, KVCache.SCRATCH)
+
+
+def test_a_batch_of_no_rows_writes_padding_like_an_idle_one():
+    """Empty tensors (null pointers) as the batch: the kernel read row 0 of them (a segfault
+    in the interpreter, an illegal address on a GPU)."""
+    expected, got = _poisoned(), _poisoned()
+    expected.write_by_torch(None, 0, 4)
+    empty = torch.empty(0, dtype=torch.long, device=DEVICE)
+    src = (empty,) * 4 + (torch.empty(0, 16, dtype=torch.long, device=DEVICE),)
+    write_decode_inputs(got._static, src, 4, KVCache.SCRATCH)
+    assert all(torch.equal(e, g) for e, g in zip(expected._static, got._static, strict=True))
