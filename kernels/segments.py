@@ -67,8 +67,7 @@ def plan_segments(
     ``request_lens[i]`` rows belong to request ``i`` (one row each when omitted: a decode batch).
     Rows of ``skip_slot`` (the neutral slot) are kept in the permutation but get no block.
     """
-    if block_m <= 0:
-        raise ValueError(f"block_m must be positive, got {block_m}")
+    check_block_m(block_m)
     if request_lens is None:  # decode: one row a request, at most a few hundred
         plan = _plan_rows([int(s) for s in request_slots], block_m, skip_slot)
     else:
@@ -77,6 +76,14 @@ def plan_segments(
         raise ValueError(f"request slot {plan.seg_slots[0]} is negative: slots are 0.. (the "
                          "pool's slots, then its neutral slot)")
     return plan
+
+
+def check_block_m(block_m: int) -> None:
+    """Every LoRA kernel spans a block's rows with ``tl.arange(0, block_m)``: a power of two
+    (another one planned fine, then failed inside the kernel's compilation)."""
+    if block_m <= 0 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a positive power of two (the LoRA kernels' row "
+                         f"blocks: 16 decode, 64 extend), got {block_m}")
 
 
 def _plan_rows(slots: list[int], block_m: int, skip_slot: int | None) -> SegmentPlan:
@@ -264,6 +271,7 @@ class StaticSegmentLayout:
     def __init__(
         self, max_rows: int, num_slots: int, block_m: int, neutral_slot: int, device
     ) -> None:
+        check_block_m(block_m)
         if not 0 <= neutral_slot < num_slots:
             raise ValueError(f"neutral_slot={neutral_slot} must be one of the {num_slots} slots "
                              f"0..{num_slots - 1} (num_slots counts the neutral one)")

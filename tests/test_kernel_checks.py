@@ -142,6 +142,19 @@ def test_plan_rejects_bad_lengths():
         plan_segments([0], [-1], block_m=16)
 
 
+def test_a_block_m_the_kernels_cannot_take_is_refused_at_planning():
+    """Every LoRA kernel spans a block's rows with ``tl.arange(0, block_m)``: a block_m that
+    is not a power of two planned fine and then failed inside the kernel's compilation
+    ("arange's range must be a power of 2"), naming neither the layout nor the fix."""
+    for bad in (24, 0, -16):
+        with pytest.raises(ValueError, match=f"block_m must be a positive power of two.*{bad}"):
+            plan_segments([0, 1], block_m=bad)
+        with pytest.raises(ValueError, match=f"block_m must be a positive power of two.*{bad}"):
+            StaticSegmentLayout(4, 3, bad, neutral_slot=2, device=DEVICE)
+    for good in (1, 2, 16, 64):
+        assert plan_segments([0, 1], block_m=good).block_m == good
+
+
 def test_a_bad_block_k_is_refused_every_time():
     """Launch shapes are cached per shape; a refused one is not (each call raises)."""
     w, layout, x = _setup()
