@@ -8,7 +8,7 @@ Where results go: a fresh, git-ignored run folder ``results/runs/<YYYYmmdd-HHMMS
 
 Examples:
   python -m bench --list                                  # the cases of this machine's profile
-  python -m bench --profile gpu-quick                     # a GPU smoke run (about a minute)
+  python -m bench --profile gpu-quick                     # a GPU smoke run (about two minutes)
   python -m bench --suite kernels --filter 'gate_up_proj T=2048 '
   python -m bench --profile cpu --suite model --filter 'bs=1 '
 """

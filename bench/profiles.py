@@ -1,8 +1,8 @@
 """Profiles: which cases each suite sweeps on which machine.
 
 ``gpu``: Llama-3-8B shapes, bf16, CUDA-graph timing; the whole run is sized for under 10
-minutes on an H200. ``gpu-quick``: a smoke run of both suites on a GPU (a few cases each, about
-a minute). ``cpu``: tiny shapes, fp32, Triton interpreter and traced graphs, wall clock: proves
+minutes on an H200. ``gpu-quick``: a smoke run of every suite on a GPU (a few cases each, about
+two minutes). ``cpu``: tiny shapes, fp32, Triton interpreter and traced graphs, wall clock: proves
 the pipeline end to end; its times mean nothing.
 """
 
@@ -38,7 +38,7 @@ PROFILES = {
     "gpu": Profile("gpu", True, torch.bfloat16, 30, "Llama-3-8B shapes, full sweep (<10 min on "
                    "an H200)"),
     "gpu-quick": Profile("gpu-quick", True, torch.bfloat16, 20, "a GPU smoke run: a few cases "
-                         "of each suite (about a minute)"),
+                         "of each suite (about two minutes)"),
     "cpu": Profile("cpu", False, torch.float32, 3, "tiny shapes on the CPU (Triton interpreter, "
                    "traced graphs): proves the pipeline, times mean nothing"),
 }

@@ -91,6 +91,15 @@ def test_hostbench_refuses_a_missing_baseline_before_running(monkeypatch, capsys
         host_main.main(["--out", str(file)])
 
 
+def test_hostbench_refuses_to_publish_another_set_up_before_running(monkeypatch, tmp_path):
+    # The reference holds the default set-up's every benchmark: --host-batch-sizes 1,8 (or
+    # --host-devices cpu on a GPU host) replaced it with a subset of its rows.
+    monkeypatch.setattr(host_main, "run_benchmarks", _never)
+    for opt in (["--host-batch-sizes", "1,8"], ["--host-devices=cpu"]):
+        with pytest.raises(SystemExit, match="--publish with --host-"):
+            host_main.main(["--out", str(tmp_path), "--publish", *opt])
+
+
 def test_compare_names_a_missing_run_file(capsys, tmp_path):
     new = tmp_path / "20250102-120000-cpu.json"
     new.write_text(json.dumps({"benchmarks": []}))

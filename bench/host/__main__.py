@@ -71,6 +71,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--publish with {' '.join(subset)}: the reference must hold every "
                          "benchmark, and a subset would replace it. Run without the selection "
                          "to publish, or drop --publish")
+    set_up = [a.split("=")[0] for a in pytest_args if a.startswith("--host-")]
+    if args.publish and set_up:
+        raise SystemExit(f"--publish with {' '.join(set_up)}: the reference holds the default "
+                         "set-up (batch sizes, devices, ...), and another one would replace its "
+                         "rows. Run without those options to publish, or drop --publish")
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"--out {args.out} is a file, not a folder: give a folder (it is "
                          "created when missing)")
