@@ -4,8 +4,9 @@
 one eager warmup before the capture (compiles Triton kernels, warms cuBLAS).
 ``TracedGraph``: ``make_fx`` traces the forward into aten ops (Triton launchers appear as one
 custom-op node each) and replays the trace. Like a CUDA graph it keeps *references* to the
-tensors it read, bakes Python scalars (grid sizes, counts) in as constants and resolves Python
-branches (``lora_active``) at capture time, so the stale-state hazards are real on a CPU.
+tensors it read, bakes Python scalars (grid sizes, counts) in as constants, resolves Python
+branches (``lora_active``) at capture time and returns one static output that each replay
+overwrites, so the stale-state hazards are real on a CPU.
 """
 
 from __future__ import annotations
@@ -67,11 +68,20 @@ class TracedGraph(Replayable):
         # a trace's time). One mode for the whole trace; the traced ops are unchanged.
         with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
             self.module = make_fx(fn)()
+        self.output: torch.Tensor | None = None
 
     def replay(self) -> torch.Tensor:
         # Like a CUDA graph replay, a traced replay is not part of any autograd history.
+        # Hazard: a CUDA graph writes every replay into the one output its capture allocated,
+        # so a step's logits are gone once the next replay runs; a fresh tensor per replay hid
+        # a caller that reads them later (a step run ahead, logits kept without a copy).
         with torch.no_grad():
-            return self.module()
+            out = self.module()
+        if self.output is None:
+            self.output = out
+        else:
+            self.output.copy_(out)
+        return self.output
 
 
 def capture(fn: Callable[[], torch.Tensor], device: torch.device, pool=None) -> Replayable:
