@@ -95,6 +95,16 @@ def overlap_control_rank(rank: int, size: int, out_dir: str) -> None:
     tight = DPEngine(ModelRunner(model, KVCache(CONFIG, 8, torch.float32, "cpu"), lora), dp,
                      SchedulerConfig(max_batch_size=4, max_step_tokens=16), overlap=True)
     log["tight"] = tight.generate([[1, 2, 3]], ["ad0"], 6 if rank == 0 else 3)
+    # One free slot (ad1 and ad3 pinned): rank 0's stream of requests on ad0 keeps it, and
+    # rank 1's request on ad2 waited until the whole stream was served (a single engine stops
+    # admitting after max_overtake_steps; across ranks nothing did).
+    fair = DPEngine(runner, dp, SchedulerConfig(max_batch_size=2, max_step_tokens=16,
+                                                max_overtake_steps=2), overlap=True)
+    fair.load_adapter("ad3", adapters()[3], pinned=True)
+    prompts = [[1 + i, 2, 3] for i in range(10)] if rank == 0 else [PROMPTS["ad2"]]
+    log["fair"] = fair.generate(prompts, ["ad0" if rank == 0 else "ad2"] * len(prompts), 3)
+    log["fair last served"] = max(i for i, s in enumerate(fair.timeline) if s.mode != "idle")
+    fair.unload_adapter("ad3")
     runner.lora.reset_lora_batch()
     try:  # another max_batch_size on rank 1: the agreement's tensors would differ in size
         DPEngine(runner, dp, SchedulerConfig(max_batch_size=4 + rank))

@@ -80,6 +80,16 @@ def test_ranks_run_ahead_together_so_control_calls_pair_up(overlap_logs):
     assert any(overlap_logs[0]["ahead"]), "rank 0's decode steps must run ahead"
 
 
+def test_a_request_waiting_for_a_slot_outlasts_no_other_ranks_stream(overlap_logs):
+    """Past ``max_overtake_steps`` the other ranks admit no request with an adapter until it
+    has a slot, as a single engine stops admitting: rank 1's request is served before the
+    last of rank 0's ten."""
+    first, second = overlap_logs
+    assert [len(out) for out in first["fair"]] == [3] * 10 and len(second["fair"][0]) == 3
+    assert second["fair last served"] < first["fair last served"] - 3, (
+        second["fair last served"], first["fair last served"])
+
+
 def test_engines_built_differently_are_refused_on_every_rank(overlap_logs):
     for log in overlap_logs:
         assert "max_batch_size" in log["mismatch"] and "[4, 5]" in log["mismatch"]

@@ -29,7 +29,7 @@ from lora_runtime.engine.forward_batch import ForwardMode
 
 NO_GRAPH = -1
 _MODES = (ForwardMode.IDLE, ForwardMode.DECODE, ForwardMode.EXTEND)
-_HEADER = 8
+_HEADER = 9
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class RankStep:
     may_run_ahead: bool = False
     """This rank could launch the step after this one before reading its tokens
     (``Engine._may_run_ahead``; False without overlap)."""
+    starved: int = 0
+    """Steps this rank's oldest request has waited past ``max_overtake_steps`` for an adapter
+    slot (``Scheduler.starved_of_slot``; 0: none)."""
 
     @property
     def rows(self) -> int:
@@ -214,14 +217,15 @@ def _pack(s: RankStep, max_requests: int, max_adapters: int) -> list[int]:
                          f"adapters; the agreement has room for {max_requests} and "
                          f"{max_adapters}")
     head = [_MODES.index(s.mode), n, len(s.running_adapters), s.bucket, s.pool_digest,
-            int(s.has_work), max_requests, int(s.may_run_ahead)]
+            int(s.has_work), max_requests, int(s.may_run_ahead), s.starved]
     body = [*s.adapters, *[-1] * (max_requests - n), *s.lens, *[0] * (max_requests - n),
             *s.running_adapters, *[-1] * (max_adapters - len(s.running_adapters))]
     return head + body
 
 
 def _unpack(v: list[int]) -> RankStep:
-    mode, n, na, bucket, digest, work, cap, ahead = v[:_HEADER]
+    mode, n, na, bucket, digest, work, cap, ahead, starved = v[:_HEADER]
     body = v[_HEADER:]
     return RankStep(_MODES[mode], tuple(body[:n]), tuple(body[cap : cap + n]), bucket,
-                    tuple(body[2 * cap : 2 * cap + na]), digest, bool(work), bool(ahead))
+                    tuple(body[2 * cap : 2 * cap + na]), digest, bool(work), bool(ahead),
+                    starved)

@@ -279,16 +279,16 @@ class DPEngine(Engine):
         digest = 0 if self.lora is None else pool_digest(
             self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names],
             sorted(self.lora.pool.pinned))
-        work = self.scheduler.has_work
+        work, starved = self.scheduler.has_work, self.scheduler.starved_of_slot
         if plan is None:
             return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work,
-                            may_run_ahead)
+                            may_run_ahead, starved)
         g = self._graphs_for(plan.mode)
         own = g.bucket_for(batch) if g is not None and g.can_run(batch) else None  # captured
         return RankStep(plan.mode, tuple(-1 if r.adapter is None else ids[r.adapter]
                                          for r in plan.requests),
                         tuple(plan.chunks), NO_GRAPH if own is None else own, tuple(running),
-                        digest, work, may_run_ahead)
+                        digest, work, may_run_ahead, starved)
 
     def _graphs_for(self, mode: ForwardMode) -> GraphReplayer | None:
         return next((g for g in self.graphs if g.mode is mode), None)
@@ -296,7 +296,10 @@ class DPEngine(Engine):
     def _share_free_slots(self) -> None:
         """Each step, the slots no rank's running requests hold (nor pinned adapters) are
         shared among the ranks, rotating the remainder, so the union of the adapters that all
-        ranks admit stays within the slots."""
+        ranks admit stays within the slots. While a rank's oldest request has waited past
+        ``max_overtake_steps`` for a slot (the longest-waiting such rank), it takes every free
+        slot and the others admit base-model requests only until it is in: a single engine
+        stops admitting then, and another rank's stream on a resident adapter kept the slot."""
         if self.lora is None:
             return
         known = self._known | set(self.lora.pool.pinned)
@@ -304,6 +307,11 @@ class DPEngine(Engine):
         turn = (self.dp.rank - self._steps) % self.dp.size
         self._steps += 1
         quota = free // self.dp.size + (1 if turn < free % self.dp.size else 0)
+        starved = [0] if self.last is None else [r.starved for r in self.last.ranks]
+        first = max(range(len(starved)), key=lambda r: (starved[r], -r))
+        if starved[first]:
+            quota = free if first == self.dp.rank else 0
+        self.scheduler.admit_adapters = not starved[first] or first == self.dp.rank
         self.scheduler.adapter_quota = (known, quota)
 
 

@@ -78,7 +78,12 @@ class Scheduler:
     draining: list[Request] = field(default_factory=list)
     """Aborted requests whose KV slots a launched step not read yet still writes
     (``Engine.abort``): their slots count as reserved until the engine frees them."""
+    admit_adapters: bool = True
+    """Data-parallel attention: False while another rank's oldest request has waited past
+    ``max_overtake_steps`` for a slot: this rank admits base-model requests only, so the
+    slots its adapters hold free up for it (a stream on a resident adapter kept one forever)."""
     _overtaken: int = 0
+    _oldest_lacks_slot: bool = False
 
     # -- bookkeeping ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -111,6 +116,15 @@ class Scheduler:
         return (sum(r.kv_budget for r in self.running)
                 + sum(len(r.kv_slots) for r in self.draining))
 
+    @property
+    def starved_of_slot(self) -> int:
+        """Steps the oldest waiting request has waited past ``max_overtake_steps`` with no
+        adapter slot for it (0: none such)."""
+        if (self.waiting and self._oldest_lacks_slot
+                and self._overtaken > self.config.max_overtake_steps):
+            return self._overtaken
+        return 0
+
     def running_adapters(self) -> set[str]:
         return {r.adapter for r in self.running if r.adapter is not None}
 
@@ -133,7 +147,9 @@ class Scheduler:
             if len(self.running) >= self.config.max_batch_size:
                 break
             new_adapters = adapters | ({req.adapter} if req.adapter is not None else set())
-            if req.kv_budget <= free_kv and self._slots_fit(new_adapters):
+            slot = ((req.adapter is None or self.admit_adapters)
+                    and self._slots_fit(new_adapters))
+            if req.kv_budget <= free_kv and slot:
                 self.waiting.remove(req)
                 self.running.append(req)
                 free_kv -= req.kv_budget
@@ -143,6 +159,7 @@ class Scheduler:
                 continue
             if i == 0:  # the oldest request waits: later ones may pass it, for a while
                 self._overtaken += 1
+                self._oldest_lacks_slot = not slot
                 if self._overtaken > self.config.max_overtake_steps:
                     break
 
