@@ -486,6 +486,14 @@ MUTANTS = [
              "self._fault)\n", "")),
            ("tests/test_dp_control.py::test_a_forward_that_raised_on_one_rank_stops_its_later_"
             "calls",)),
+    Mutant("dp_starved_rank_ignored",
+           "DP: the other ranks keep admitting requests on resident adapters while a rank's "
+           "request has waited past max_overtake_steps for a slot (a stream starves it)",
+           "lora_runtime/dp/dp_engine.py",
+           (("        self.scheduler.admit_adapters = not starved[first] or first == "
+             "self.dp.rank\n", ""),),
+           ("tests/test_dp_control.py::test_a_request_waiting_for_a_slot_outlasts_no_other_"
+            "ranks_stream",)),
     Mutant("dp_refused_generate_leaves_peers",
            "DP: a generate refused on one rank returns at once; the peers' steps pair with its "
            "next call",
