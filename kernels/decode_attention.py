@@ -206,8 +206,11 @@ def decode_attention(
     block_n, num_warps, num_stages = tiles or TILES
     check(block_n >= 16 and block_n & (block_n - 1) == 0,
           lambda: f"block_n must be a power of two >= 16, got {block_n}")
-    splits = splits or decode_splits(bs, kv_heads, kv_indices.shape[1], q.device, block_n)
-    check(1 <= splits <= 4 * MAX_SPLITS, lambda: f"splits must be in [1, {4 * MAX_SPLITS}], got "
-          f"{splits}")
+    if splits is None:
+        splits = decode_splits(bs, kv_heads, kv_indices.shape[1], q.device, block_n)
+    # 0 once meant the heuristic and 2.5 ran as 2: an override is taken as given or refused.
+    whole = isinstance(splits, int) and not isinstance(splits, bool)
+    check(whole and 1 <= splits <= 4 * MAX_SPLITS, lambda: f"splits must be an integer in "
+          f"[1, {4 * MAX_SPLITS}] (None: the heuristic), got {splits!r}")
     return _decode_attention_op(q, k_cache, v_cache, kv_indices, kv_lens, float(sm_scale),
                                 int(splits), block_n, num_warps, num_stages)

@@ -166,6 +166,9 @@ def test_launchers_name_the_fix():
         decode_attention(q, k.half(), k.half(), table, lens, 1.0)
     with pytest.raises(ValueError, match=r"kv_indices must be \[2, max_context\]"):
         decode_attention(q, k, k, table[:1], lens, 1.0)
+    for splits in (0, 2.5, True):  # 0 ran the heuristic, 2.5 as 2
+        with pytest.raises(ValueError, match="splits must be an integer"):
+            decode_attention(q, k, k, table, lens, 1.0, splits)
     starts = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="build_extend"):
         extend_attention(q, k, k, table[0], starts, starts[:2], 1.0)
