@@ -380,3 +380,16 @@ def test_a_kv_cache_size_that_is_not_an_integer_above_0_is_refused(size):
 
 def test_a_kv_cache_size_of_a_numpy_integer_is_taken():
     assert KVCache(tiny(1), numpy.int64(3), torch.float32, "cpu").free_slots == 3
+
+
+@pytest.mark.parametrize("bad", [[2, 2], [3], [1, 9], [0], [-1]],
+                         ids=["given-twice", "already-free", "out-of-range", "scratch", "negative"])
+def test_a_double_or_foreign_kv_free_is_refused_and_changes_nothing(bad):
+    kv = KVCache(tiny(1), 8, torch.float32, "cpu")
+    held = kv.alloc(2)
+    assert sorted(held) == [1, 2]
+    with pytest.raises(ValueError, match="slot"):
+        kv.free(bad)
+    assert kv.free_slots == 6
+    kv.free(held)  # the legal free still goes through, once
+    assert kv.free_slots == 8 and sorted(kv.alloc(8)) == list(range(1, 9))

@@ -24,6 +24,9 @@ class KVCache:
     def reset(self) -> None:
         """Frees every slot (the cache contents stay; nothing reads a freed slot)."""
         self._free = list(range(self.max_tokens, 0, -1))
+        # The same slots as a set: a free checks against it in C (a double free would hand
+        # one slot to two requests, each overwriting the other's K/V).
+        self._free_set = set(self._free)
 
     @property
     def free_slots(self) -> int:
@@ -37,9 +40,25 @@ class KVCache:
         cut = len(free) - n
         out = free[cut:][::-1]  # the last n, last first: the order of n pops
         del free[cut:]
+        self._free_set.difference_update(out)
         return out
 
     def free(self, slots: list[int]) -> None:
-        if any(s == self.SCRATCH for s in slots):
+        """Returns allocated slots; refuses (changing nothing) the scratch slot, a slot out of
+        range, one given twice or one already free."""
+        slots = list(slots)
+        given = set(slots)
+        if not given:
+            return
+        if self.SCRATCH in given:
             raise ValueError("slot 0 is the scratch slot and is never allocated")
+        if min(given) < 1 or max(given) > self.max_tokens:
+            raise ValueError(f"KV slots must lie in 1..{self.max_tokens}, got "
+                             f"{sorted(s for s in given if not 1 <= s <= self.max_tokens)[:5]}")
+        if len(given) != len(slots) or not given.isdisjoint(self._free_set):
+            twice = sorted(given & self._free_set) or sorted(
+                s for s in given if slots.count(s) > 1)
+            raise ValueError(f"KV slots {twice[:5]} are already free or given twice: a double "
+                             "free would hand one slot to two requests")
         self._free.extend(reversed(slots))
+        self._free_set.update(given)
