@@ -165,6 +165,10 @@ class GraphRunner:
                              f"{self.buffers.buckets}, asked {bucket}); check can_run() first")
         kind = variant if variant is not None else self.variant_for(  # an idle DP rank's MLP
             batch, (idle and self.dp is not None) or batch.has_adapters)  # serves its peers
+        if kind != LORA and variant is not None and self.lora is not None and batch.has_adapters:
+            raise ValueError(f"variant {kind!r} would drop the LoRA of this batch's adapter rows "
+                             f"{sorted({n for n in batch.adapter_names if n is not None})}: "
+                             f"replay it as {LORA!r} (or leave variant to variant_for)")
         check_gathered(batch, self.dp)
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "

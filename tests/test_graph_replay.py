@@ -148,3 +148,17 @@ def test_an_agreed_bucket_never_takes_a_batch_no_bucket_holds(mode):
     assert rt.lora.backend.batch_info is None
     assert rt.lora.pool.version == version
     release([r], rt.kv)
+
+
+@pytest.mark.parametrize("variant", ["base", "peers"])
+def test_a_variant_that_drops_the_batchs_lora_is_refused(world, variant):
+    w = world
+    w.reset()
+    reqs = _decode_ready(w, ["ad0", None])
+    batch = build_decode(reqs, w.runner.kv, DEVICE)
+    with pytest.raises(ValueError, match=f"variant '{variant}' would drop the LoRA .*'ad0'"):
+        w.decode.replay(batch, variant=variant)
+    logits = w.decode.replay(batch, variant="lora")  # the right variant still serves it
+    for r, row in zip(reqs, logits, strict=True):
+        w.check_oracle(r.tokens, r.adapter, row)
+    release(reqs, w.runner.kv)
