@@ -114,9 +114,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.json:
         check_out_file(parser, "--json", args.json)
+    if args.profile and not torch.cuda.is_available():
+        parser.error("--profile BS CONTEXT lists a replay's CUDA kernels: it needs a GPU")
+    for bs, context in args.profile:  # a pair the sweep never replays printed nothing
+        if bs not in args.batch_sizes or context not in args.contexts:
+            parser.error(f"--profile {bs} {context}: this run replays batch sizes "
+                         f"{args.batch_sizes} at contexts {args.contexts}; profile one of "
+                         "those or add it with --batch-sizes / --contexts")
     if not torch.cuda.is_available():
-        if args.profile:
-            parser.error("--profile BS CONTEXT lists a replay's CUDA kernels: it needs a GPU")
         print("no GPU: the tiny CPU case (2 layers, bs 1 and 2, context 16, torch and triton "
               "kernels); --layers, --contexts, --batch-sizes and --backends apply on a GPU",
               flush=True)

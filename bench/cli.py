@@ -129,6 +129,13 @@ def prepare_out(out: Path, files: list[str], published: Path | None) -> None:
     if out.exists() and not out.is_dir():
         raise SystemExit(f"--out {out} is a file, not a folder: give a folder (it is created "
                          "when missing)")
+    # Checked before the folder is made: a refused run leaves no empty run folder behind.
+    for path in [out / f for f in files] + [published / f for f in files if published]:
+        if path.exists():
+            try:
+                results.load(path)
+            except results.ResultFileError as e:
+                raise SystemExit(f"error: {e} (this run would add its rows to it)") from None
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -136,12 +143,6 @@ def prepare_out(out: Path, files: list[str], published: Path | None) -> None:
                          "writable folder") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise SystemExit(f"--out {out}: the folder is not writable: give a writable folder")
-    for path in [out / f for f in files] + [published / f for f in files if published]:
-        if path.exists():
-            try:
-                results.load(path)
-            except results.ResultFileError as e:
-                raise SystemExit(f"error: {e} (this run would add its rows to it)") from None
 
 
 def run_suite(name, cases, ctx, tele, run, out, slug, publish) -> list[dict]:

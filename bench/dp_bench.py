@@ -178,9 +178,12 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         "workload": {"requests": requests} | {k: opts[k] for k in WORKLOAD},
     }
     timing = Timing([s.seconds * 1e6 for s in steps], "wall") if steps else None
-    verification = {"status": "verified" if int(tokens) == sum(
-        w.max_new_tokens for w in make_workload(spec, config.vocab_size)) else "failed",
-        "error": None, "checked": "every request produced max_new_tokens tokens"}
+    expected = sum(w.max_new_tokens for w in make_workload(spec, config.vocab_size))
+    verification = {"status": "verified" if int(tokens) == expected else "failed",
+                    "error": None if int(tokens) == expected else
+                    f"the timed pass produced {int(tokens)} tokens, the workload's "
+                    f"max_new_tokens sum to {expected}",
+                    "checked": "every request produced max_new_tokens tokens"}
     # Every rank's untimed-pass tokens, by workload index, against an eager forward of an
     # unsharded copy of the model on rank 0 (a count cannot see wrong tokens).
     mine = [None] * size

@@ -90,8 +90,13 @@ def load(path: Path) -> dict:
 
 
 def upsert(path: Path, run: dict, rows: list[dict]) -> dict:
-    """Write ``rows`` (all of one or more cases) into ``path``, replacing those cases' rows."""
+    """Write ``rows`` (all of one or more cases) into ``path``, replacing those cases' rows;
+    a case skipped here (a DP size above this machine's GPUs) keeps the rows of a run that
+    ran it, where a skipped row had replaced them (published results of a larger machine)."""
     data = load(path) if path.exists() else {"schema": SCHEMA, "runs": {}, "rows": []}
+    ran = {case_id(r) for r in data["rows"] if r["verification"]["status"] != "skipped"}
+    rows = [r for r in rows
+            if r["verification"]["status"] != "skipped" or case_id(r) not in ran]
     run_id = run["run_id"]
     data["runs"][run_id] = run
     fresh = {case_id(r) for r in rows}

@@ -144,6 +144,21 @@ def test_base_step_bench_says_profile_needs_a_gpu(monkeypatch, capsys):
     _usage_error(capsys, base_step_bench.main, ["--profile", "256", "512"], "needs a GPU")
 
 
+def test_base_step_bench_refuses_a_profile_pair_it_does_not_replay(monkeypatch, capsys):
+    monkeypatch.setattr(base_step_bench, "run_base_step", _never)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _usage_error(capsys, base_step_bench.main, ["--profile", "32", "512"], "--profile 32 512")
+    _usage_error(capsys, base_step_bench.main, ["--contexts", "1024", "--profile", "256", "512"],
+                 "--profile 256 512")
+    ran = []
+    monkeypatch.setattr(base_step_bench, "run_base_step",
+                        lambda device, *a, **k: ran.append((device.type, k.get("profile"))) or [])
+    base_step_bench.main(["--profile", "256", "512"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base_step_bench.main([])
+    assert ran == [("cuda", [(256, 512)]), ("cpu", None)]
+
+
 def test_dp_bench_under_torchrun_refuses_sizes_other_than_the_world(monkeypatch, capsys,
                                                                     tmp_path):
     monkeypatch.setattr(dp_bench, "run_rank", _never)

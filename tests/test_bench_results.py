@@ -53,6 +53,22 @@ def test_upsert_replaces_a_case_and_a_new_axis_adds_rows(tmp_path):
     assert sorted(got, key=str) == sorted([(1, None), (2, None), (2, "new")], key=str)
 
 
+def test_a_case_skipped_here_keeps_the_rows_a_machine_that_ran_it_published(tmp_path):
+    # DP 4 runs on a 4-GPU host and is skipped on a 2-GPU one: both publish to one file.
+    path, later = tmp_path / "dp.json", RUN | {"run_id": "20270101-000000-def"}
+    results.upsert(path, RUN, [_row(_Case(1), 4.0, p="a"), _row(_Case(2), 5.0, p="a")])
+    skipped = results.make_row(_Case(1), "gpu", {}, verification={"status": "skipped",
+                                                                 "error": "needs 4 GPUs"})
+    results.upsert(path, later, [skipped, _row(_Case(2), 6.0, p="a")])
+    got = {r["size"]: (r["verification"]["status"], r["run_id"])
+           for r in results.load(path)["rows"]}
+    assert got == {1: ("unverified", RUN["run_id"]), 2: ("unverified", later["run_id"])}
+    assert set(results.load(path)["runs"]) == {RUN["run_id"], later["run_id"]}
+    fresh = tmp_path / "fresh.json"  # nothing to keep: the skipped row is written
+    results.upsert(fresh, later, [skipped])
+    assert [r["verification"]["status"] for r in results.load(fresh)["rows"]] == ["skipped"]
+
+
 def test_reading_one_run_from_several_suite_files_keeps_every_suites_seconds(tmp_path):
     early = RUN | {"suite_seconds": {"throughput": 38.0}}
     late = RUN | {"suite_seconds": {"throughput": 38.0, "idle": 5.0, "model": 97.0}}

@@ -102,6 +102,17 @@ def test_a_run_into_a_corrupt_result_file_stops_before_measuring(tmp_path, monke
     assert str(bad) in msg and "not valid JSON" in msg
 
 
+def test_a_publish_into_a_corrupt_result_file_leaves_no_run_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "RESULTS", tmp_path)
+    bad = tmp_path / "kernels-cpu.json"
+    bad.write_text('{"schema": 2, "runs": {}, "rows": [{"suite": "ker')
+    monkeypatch.setattr(cli.hardware, "measure", lambda *a: pytest.fail("measured"))
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        cli.main(["--profile", "cpu", "--suite", "kernels", "--filter",
+                  "qkv_proj T=1 adapters=1 r=8$", "--publish"])
+    assert not (tmp_path / "runs").exists(), "a refused run made its run folder"
+
+
 def test_an_out_that_is_a_file_or_cannot_be_made_stops_before_measuring(tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("x")
