@@ -236,3 +236,33 @@ def test_abort_after_a_fault_left_a_step_unread_or_tokens_undelivered(monkeypatc
     assert other.finish_reason == "length"
     assert w.runner.kv.free_slots == w.runner.kv.max_tokens and not eng.scheduler.draining
     assert not eng.has_work
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_an_aborted_requests_tpot_ends_at_its_last_token(overlap):
+    """A fake clock, one second a ``step()``: a request with tokens read at 1, 2, 3 s and
+    aborted at 100 s has TPOT 1 s (it was (100 - 1) / 2 = 49.5 s, the idle time before the
+    abort counted as decoding); a request that finishes by its length keeps (finish - first)
+    / (n - 1), and one aborted before its first token has neither TTFT nor TPOT."""
+    w = _world(False)
+    eng = w.engine(SchedulerConfig(max_batch_size=1), overlap=overlap)
+    now = [0.0]
+    eng.clock = lambda: now[0]
+    victim = eng.add_request([1, 2, 3], None, max_new_tokens=8)
+    waiting = eng.add_request([4, 5], None, max_new_tokens=8)
+    for t in (1.0, 2.0, 3.0):
+        now[0] = t
+        eng.step()
+    assert len(victim.output) == 3 and victim.metrics.tpot is None  # running
+    now[0] = 100.0
+    assert eng.abort(victim) and eng.abort(waiting)
+    m = victim.metrics
+    assert (m.arrival, m.first_token, m.finish, m.output_tokens) == (0.0, 1.0, 100.0, 3)
+    assert m.ttft == 1.0 and m.tpot == 1.0
+    assert waiting.metrics.ttft is None and waiting.metrics.tpot is None
+    eng.run()
+    done = eng.add_request([6, 7], None, max_new_tokens=3)
+    for t in (101.0, 103.0, 107.0):
+        now[0] = t
+        eng.step()
+    assert done.finish_reason == "length" and (done.metrics.ttft, done.metrics.tpot) == (1.0, 3.0)

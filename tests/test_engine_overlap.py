@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from conftest import DEVICE
 from engine_world import EngineWorld
@@ -153,3 +154,19 @@ def test_a_step_ahead_that_serves_no_one_is_finished_at_once():
     assert not eng.has_work, "the discarded step must not stay in flight"
     assert any(s.ahead for s in eng.timeline[steps:])
     assert w.runner.kv.free_slots == w.runner.kv.max_tokens
+
+
+def test_overlap_is_fixed_at_construction():
+    """Switched off while a step was in flight, every later step raised 'not ready to
+    decode': the switch is refused, and the engine serves on as built."""
+    w = EngineWorld("torch", DEVICE, layers=1)
+    eng = w.engine(SchedulerConfig(max_batch_size=2), overlap=True)
+    want = eng.generate([[3, 1, 4]], [None], max_new_tokens=5)[0]
+    req = eng.add_request([3, 1, 4], None, max_new_tokens=5)
+    eng.step()
+    eng.step()
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        eng.overlap = False
+    assert eng.overlap is True
+    eng.run()
+    assert req.output == want

@@ -93,7 +93,7 @@ class Engine:
         self.graphs = list(graphs)
         _check_graphs(self.graphs, runner)
         self.keep_logits = keep_logits
-        self.overlap = overlap
+        self._overlap = bool(overlap)
         self._inflight: LaunchedStep | None = None
         self._undelivered: list[tuple[Request, int]] = []
         """Tokens of a step finished while the step launched ahead of it raised: in the
@@ -273,6 +273,18 @@ class Engine:
             self.lora.reset_lora_batch()
 
     # -- the loop ---------------------------------------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        """Fixed at construction: switched off while a step was in flight, every later step
+        raised 'not ready to decode' (and a DP rank switching alone would unpair collectives)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, value) -> None:
+        raise AttributeError(f"Engine.overlap is fixed at construction (it is {self._overlap}; "
+                             f"a step may be in flight): build another Engine with "
+                             f"overlap={bool(value)}")
+
     def step(self) -> list[tuple[Request, int]]:
         """Runs one forward; returns the (request, token) pairs it produced. With ``overlap``
         the forward may already be running (launched by the previous call), and the next
@@ -521,6 +533,7 @@ class Engine:
             m.output_tokens += 1
             if m.first_token is None:
                 m.first_token = now
+            m.last_token = now
             produced.append((req, tok))
             if req.done:
                 m.finish = now

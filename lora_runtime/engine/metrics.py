@@ -11,6 +11,8 @@ class RequestMetrics:
     arrival: float | None = None
     """Clock time the request was added (seconds, the engine's clock)."""
     first_token: float | None = None
+    last_token: float | None = None
+    """Clock time the latest token was read (the finish, unless ``Engine.abort`` ended it)."""
     finish: float | None = None
     output_tokens: int = 0
 
@@ -23,10 +25,13 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first (s); None with fewer than two tokens."""
-        if self.finish is None or self.first_token is None or self.output_tokens < 2:
+        """Time per output token after the first (s); None with fewer than two tokens. It ends
+        at the last token, not at ``finish``: an aborted request's finish is the abort's time,
+        which may come long after its last token."""
+        if (self.finish is None or self.last_token is None or self.first_token is None
+                or self.output_tokens < 2):
             return None
-        return (self.finish - self.first_token) / (self.output_tokens - 1)
+        return (self.last_token - self.first_token) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class WorkloadRequest:
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
-    rng = random.Random(spec.seed)
+    rng = random.Random(int(spec.seed))  # a numpy integer is no seed random.Random takes
     names = spec.adapter_names
     weights = ([(i + 1) ** -spec.zipf_alpha for i in range(len(names))]  # 0 past 1e-308
                if spec.popularity == "zipf" else None)
