@@ -261,6 +261,29 @@ def test_a_second_manager_on_a_wrapped_model_is_refused():
     assert first.model is model and not first.adapters
 
 
+@pytest.mark.parametrize("source", [None, 7, {"q_proj.lora_A": torch.zeros(1)}, b"/tmp/x"],
+                         ids=["None", "int", "state dict", "bytes"])
+def test_a_source_that_is_neither_a_folder_nor_an_adapter_is_refused(runner, source):
+    """A state dict or None raised Path's TypeError ("expected str, bytes or os.PathLike
+    object"), naming neither the argument nor what it takes."""
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="source must be a PEFT adapter folder.*or a "
+                       "LoRAAdapter, got " + type(source).__name__):
+        runner.lora.load_adapter("x", source)
+    _assert_unchanged(runner.lora, before)
+
+
+@pytest.mark.parametrize("modules", [[], ((0, "o_proj"),)], ids=["list", "tuple"])
+def test_modules_that_are_not_a_dict_are_refused(runner, modules):
+    import dataclasses
+
+    ad = dataclasses.replace(random_adapter(CFG, "x", 2, ("o_proj",)), modules=modules)
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="modules must be a dict"):
+        runner.lora.load_adapter("x", ad)
+    _assert_unchanged(runner.lora, before)
+
+
 @pytest.mark.parametrize("name", [None, 7, ("a",)])
 def test_a_name_that_is_not_a_string_is_refused(runner, name):
     """None is the base model's adapter name in a request: a pinned adapter loaded under it

@@ -65,6 +65,14 @@ BAD_MODULES = {
     "scaling a bool": (
         (0, "o_proj"), ModuleLoRA(torch.randn(4, H), torch.randn(H, 4), True),
         "o_proj: scaling must be a finite number, got True"),
+    # An AttributeError ('tuple' object has no attribute 'a') named neither.
+    "(A, B, scaling) tuple": (
+        (0, "o_proj"), (torch.randn(4, H), torch.randn(H, 4), 1.0),
+        "o_proj: expected a ModuleLoRA(a, b, scaling), got tuple"),
+    # "Tensor.item() cannot be called on meta tensors", naming no module.
+    "meta lora_B": (
+        (1, "o_proj"), ModuleLoRA(torch.randn(4, H), torch.empty(H, 4, device="meta"), 1.0),
+        "model.layers.1.self_attn.o_proj: lora_B is a meta tensor"),
 }
 
 

@@ -3,6 +3,7 @@ them into GPU slots on demand, and prepares or resets the backend's batch state.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -173,6 +174,11 @@ class LoRAManager:
                                "requests will (adapter=None serves the base model)")
         if name in self.adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
+        if not isinstance(source, str | os.PathLike | LoRAAdapter):
+            raise AdapterError(f"adapter {name!r}: source must be a PEFT adapter folder (a str "
+                               f"or Path) or a LoRAAdapter, got {type(source).__name__} (a PEFT "
+                               "model or state dict: save it with save_pretrained, pass the "
+                               "folder)")
         adapter = source if isinstance(source, LoRAAdapter) else load_peft_adapter(source, name)
         adapter.validate(self.model.config, self.config.max_rank, self.config.target_modules)
         self._check_base_layers(adapter)

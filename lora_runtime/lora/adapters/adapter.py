@@ -78,11 +78,17 @@ class LoRAAdapter:
     def validate(self, config: LlamaConfig, max_rank: int, enabled: Iterable[str]) -> None:
         """Raises AdapterError naming the module, the expected value and the fix."""
         enabled = set(enabled)
+        if not isinstance(self.modules, dict):
+            raise AdapterError(f"adapter {self.name!r}: modules must be a dict of (layer, "
+                               f"target) -> ModuleLoRA, got {type(self.modules).__name__}")
         if not self.modules:
             raise AdapterError(f"adapter {self.name!r} has no LoRA weights")
         for key, m in self.modules.items():
             layer, target = _check_key(self.name, key, config)
             where = f"adapter {self.name!r}, {module_path(layer, target)}"
+            if not isinstance(m, ModuleLoRA):
+                raise AdapterError(f"{where}: expected a ModuleLoRA(a, b, scaling), got "
+                                   f"{type(m).__name__}")
             if target not in enabled:
                 raise AdapterError(
                     f"{where}: the runtime was built without LoRA on {target!r} (targets: "
@@ -92,6 +98,9 @@ class LoRAAdapter:
                 if not isinstance(t, torch.Tensor) or t.dim() != 2:
                     got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise AdapterError(f"{where}: {label} must be a 2-D tensor, got {got}")
+                if t.is_meta:  # every value check below raised a bare RuntimeError
+                    raise AdapterError(f"{where}: {label} is a meta tensor (shapes, no data): "
+                                       "load the adapter's weights before loading it")
             r = m.rank
             if r < 1:
                 raise AdapterError(f"{where}: rank must be >= 1, got {r}")
