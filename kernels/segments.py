@@ -317,17 +317,7 @@ class StaticSegmentLayout:
         """Copy ``plan`` (None: an idle batch) into the first ``rows`` rows, neutral elsewhere.
         ``spec``: what ``plan`` was planned from, remembered for ``holds`` (without it the
         buffer holds no known spec)."""
-        self._check_rows(rows)
-        if plan is not None and plan.block_m != self.block_m:
-            raise ValueError(f"plan has block_m={plan.block_m}, layout needs {self.block_m}")
-        if plan is not None and _max_slot(plan) > self.neutral_slot:
-            raise ValueError(f"plan names slot {_max_slot(plan)} but this layout's slots are "
-                             f"0..{self.neutral_slot} (its neutral slot last)")
-        if plan is not None and (plan.num_rows > rows or len(plan.blocks) > self.blocks_for(rows)):
-            raise ValueError(
-                f"batch needs {plan.num_rows} rows and {len(plan.blocks)} blocks but the "
-                f"{rows}-row view holds {rows} and {self.blocks_for(rows)}"
-            )
+        self.check_fits(plan, rows)
         cap_rows, cap_blocks = self.max_rows, self.blocks_for(self.max_rows)
         if self._copied is not None:
             # Hazard: the last asynchronous copy may still be reading the staging buffer.
@@ -339,6 +329,21 @@ class StaticSegmentLayout:
         # Invariant: _held names the buffer's contents or is None (nothing else writes it).
         self._held = None if spec is None or plan is None else (
             spec, plan.num_rows, len(plan.blocks))
+
+    def check_fits(self, plan: SegmentPlan | None, rows: int) -> None:
+        """Raises where ``write(plan, rows)`` would refuse, writing nothing (a caller that
+        refreshes several layouts checks them all before the first write)."""
+        self._check_rows(rows)
+        if plan is not None and plan.block_m != self.block_m:
+            raise ValueError(f"plan has block_m={plan.block_m}, layout needs {self.block_m}")
+        if plan is not None and _max_slot(plan) > self.neutral_slot:
+            raise ValueError(f"plan names slot {_max_slot(plan)} but this layout's slots are "
+                             f"0..{self.neutral_slot} (its neutral slot last)")
+        if plan is not None and (plan.num_rows > rows or len(plan.blocks) > self.blocks_for(rows)):
+            raise ValueError(
+                f"batch needs {plan.num_rows} rows and {len(plan.blocks)} blocks but the "
+                f"{rows}-row view holds {rows} and {self.blocks_for(rows)}"
+            )
 
     def _check_rows(self, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:

@@ -18,7 +18,7 @@ from engine_world import EngineWorld
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request
+from lora_runtime.engine.requests import Request, build_extend
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
 from lora_runtime.lora.adapters import AdapterError
@@ -393,3 +393,18 @@ def test_a_double_or_foreign_kv_free_is_refused_and_changes_nothing(bad):
     assert kv.free_slots == 6
     kv.free(held)  # the legal free still goes through, once
     assert kv.free_slots == 8 and sorted(kv.alloc(8)) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("limits, kv_tokens, error", [([3, 0], 16, ValueError),
+                                                      (None, 6, RuntimeError)],
+                         ids=["nothing-to-extend", "cache-full"])
+def test_a_refused_extend_build_takes_no_kv_slot(limits, kv_tokens, error):
+    """Refused at its second request, the build had already given the first one KV slots
+    and marked its prompt cached (a caller outside the engine leaked them)."""
+    kv = KVCache(tiny(1), kv_tokens, torch.float32, "cpu")
+    first, second = Request([1, 2, 3]), Request([4, 5, 6, 7])
+    with pytest.raises(error):
+        build_extend([first, second], kv, "cpu", limits)
+    assert kv.free_slots == kv_tokens and len(first.kv_slots) == len(second.kv_slots) == 0
+    batch = build_extend([first, second], kv, "cpu", [3, 1])
+    assert batch.extend_lens == (3, 1) and kv.free_slots == kv_tokens - 4

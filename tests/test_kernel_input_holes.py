@@ -311,3 +311,22 @@ def test_the_shrink_output_is_float32_past_the_fp16_range():
         a = lora_shrink(x, w, layout, split_k=split, block_k=16)
         assert a.dtype == torch.float32
         assert torch.equal(a[:, :4], torch.full_like(a[:, :4], 131072.0))
+
+
+def test_static_layouts_refuse_a_plan_of_another_block_size_or_negative_slots():
+    """Blocks of 64 rows written where kernels span 16 would leave 48 rows of each block
+    without their LoRA term, silently; a plan built by hand may name a negative slot. Both
+    are refused with the buffer as it was."""
+    import dataclasses
+
+    static = StaticSegmentLayout(8, 3, 16, neutral_slot=2, device=DEVICE)
+    static.write(plan_segments([0, 1, 1], block_m=16, skip_slot=2), 4)
+    before = static._buf.clone()
+    with pytest.raises(ValueError, match="block_m=64, layout needs 16"):
+        static.write(plan_segments([1, 0], block_m=64, skip_slot=2), 4)
+    hand = dataclasses.replace(plan_segments([0, 1], block_m=16), seg_slots=[-1, 1])
+    with pytest.raises(ValueError, match="names slot -1"):
+        static.write(hand, 4)
+    with pytest.raises(ValueError, match=r"rows=9 is outside this layout's capacity 0\.\.8"):
+        static.write(None, 9)
+    assert torch.equal(static._buf, before)

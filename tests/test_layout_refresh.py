@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,6 +79,24 @@ def test_the_peers_variant_needs_the_gathered_layout():
     buffers = backend.init_capture_buffers(MAX_ROWS, MAX_ROWS, BLOCK_M)
     with pytest.raises(ValueError, match="gathered layout of DP attention"):
         backend.prepare_for_replay(buffers, None, 8, 8, local=False)
+
+
+def test_a_refused_refresh_writes_no_buffer():
+    """The logits view too small for the batch: refused before the token layout is written
+    (it was rewritten, under a prepared batch that kept reading it, and held the new spec)."""
+    backend = TorchBackend(SLOTS, "cpu")
+    buffers = backend.init_capture_buffers(MAX_ROWS, MAX_ROWS, BLOCK_M, dp_size=2)
+    spec = SegmentSpec((0, 1, 0, NEUTRAL), None, BLOCK_M, NEUTRAL)
+    backend.prepare_for_replay(buffers, LoRABatchPlan(spec, _logits(spec)), 8, 8)
+    before = [(b._buf.clone(), b._held) for b in vars(buffers).values()]
+    info = backend.batch_info
+    other = SegmentSpec((1, 1, 0), None, BLOCK_M, NEUTRAL)
+    gathered = SegmentSpec((1, NEUTRAL), (3, 5), BLOCK_M, NEUTRAL)
+    with pytest.raises(ValueError, match="1-row view"):
+        backend.prepare_for_replay(buffers, LoRABatchPlan(other, _logits(other), gathered), 8, 1)
+    for layout, (buf, held) in zip(vars(buffers).values(), before, strict=True):
+        assert torch.equal(layout._buf, buf) and layout._held == held
+    assert backend.batch_info is info
 
 
 def _logits(spec: SegmentSpec) -> SegmentSpec:

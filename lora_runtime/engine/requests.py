@@ -123,7 +123,9 @@ class Request:
 def build_extend(reqs: Sequence[Request], kv: KVCache, device,
                  limits: Sequence[int] | None = None) -> ForwardBatch:
     """The tokens of each request not yet in the cache (a prefill, or a continuation); with
-    ``limits``, at most ``limits[i]`` of them for request ``i`` (a chunk of a long prompt)."""
+    ``limits``, at most ``limits[i]`` of them for request ``i`` (a chunk of a long prompt).
+    Raises, changing no request and no KV slot, where one has nothing to extend or the cache
+    cannot hold them all."""
     ids, loc, kv_idx, prefixes, lens = [], [], [], [], []
     for i, r in enumerate(reqs):
         prefix = len(r.kv_slots)
@@ -133,13 +135,15 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
             new = new[: limits[i]]
         if not new:
             raise ValueError(f"request {i} has nothing to extend")
-        slots = kv.alloc(len(new))
-        r.kv_slots.extend(slots)
         ids += new
-        loc += slots
-        kv_idx.append(r.kv_slots.array)  # concatenated (copied) below, before any change
         prefixes.append(prefix)
         lens.append(len(new))
+    loc = kv.alloc(len(ids))  # one allocation for all: refused whole, not part-way
+    lo = 0
+    for r, n in zip(reqs, lens, strict=True):
+        r.kv_slots.extend(loc[lo : lo + n])
+        lo += n
+        kv_idx.append(r.kv_slots.array)  # concatenated (copied) below, before any change
     n = np.asarray(lens, dtype=np.int64)
     kv_lens = np.asarray([len(r.kv_slots) for r in reqs], dtype=np.int64)
     q_starts = np.concatenate(([0], np.cumsum(n)))

@@ -262,7 +262,8 @@ class LoRABackend:
                            rows: int, requests: int, local: bool = True) -> None:
         """Refreshes the static buffers in place (None: an idle batch, all neutral). A layout
         the buffers already hold (same ``SegmentSpec``) is neither planned nor copied again;
-        every other one is planned before any buffer is written. ``local=False`` (under DP,
+        every other one is planned, and checked against its view, before any buffer is
+        written. ``local=False`` (under DP,
         a rank whose own rows have no adapter): only the MLP's gathered layout is refreshed
         and set; ``batch_info`` stays None, so the rank's own layers run no LoRA."""
         if not local and buffers.gathered is None:
@@ -279,6 +280,8 @@ class LoRABackend:
                          gathered_rows, "gathered"))
         todo = [t for t in todo if t[1] is None or not t[0].holds(t[1], t[2])]
         plans = [None if spec is None else getattr(plan, field) for _, spec, _, field in todo]
+        for (layout, _, n, _), p in zip(todo, plans, strict=True):
+            layout.check_fits(p, n)  # all before any write: a refusal leaves every buffer
         for (layout, spec, n, _), p in zip(todo, plans, strict=True):
             layout.write(p, n, spec)
         gathered = None if buffers.gathered is None else buffers.gathered.view(gathered_rows)
