@@ -131,3 +131,41 @@ def test_a_checkpoint_it_cannot_read_as_weights_is_refused_naming_the_file(tmp_p
     fault(tmp_path / "ck")
     with pytest.raises(CheckpointError, match=says):
         load_hf_llama(tmp_path / "ck", torch.float32, "cpu")
+
+
+def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
+    """The index names the shards read (a stray shard beside them is not); rotary tables
+    that older checkpoints saved are skipped."""
+    t = _tensors(tied=False)
+    names = sorted(t)
+    shards = [{k: t[k] for k in names[:5]}, {k: t[k] for k in names[5:]}
+              | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}]
+    _write(tmp_path / "ck", shards)
+    save_file({"model.norm.weight": torch.zeros(16)}, str(tmp_path / "ck" / "stray.safetensors"))
+    index = {"weight_map": {k: f"model-{int(k not in shards[0])}.safetensors" for k in names}}
+    (tmp_path / "ck" / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_hf_llama(tmp_path / "ck", torch.float32, "cpu")
+    assert torch.equal(model.model.norm.weight, t["model.norm.weight"])
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(qkv[16:24], t["model.layers.0.self_attn.k_proj.weight"])
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda t: t.pop("model.layers.0.mlp.down_proj.weight"),
+     r"lacks 1 tensors, e.g. \['model.layers.0.mlp.down_proj.weight'\]"),
+    (lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.ones(32, 16)}),
+     "unexpected tensor 'model.layers.1.mlp.up_proj.weight'"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.ones(16, 16)}),
+     r"k_proj.weight has shape \(16, 16\), expected \(8, 16\) from config.json"),
+    (lambda t: t.clear(), r"no \*.safetensors in"),
+])
+def test_a_checkpoint_that_is_not_the_configs_model_is_refused(tmp_path, change, says):
+    """A missing tensor would leave random weights, another layer's or shape would load
+    into the wrong rows."""
+    t = _tensors(tied=False)
+    change(t)
+    _write(tmp_path / "ck", [t] if t else [])
+    with pytest.raises(CheckpointError, match=says):
+        load_hf_llama(tmp_path / "ck", torch.float32, "cpu")
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_hf_llama(tmp_path, torch.float32, "cpu")

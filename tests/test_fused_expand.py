@@ -336,12 +336,14 @@ def test_block_args_follow_the_layout_the_input_and_the_route():
     l1, l2 = (SegmentLayout.from_plan(plan_segments(s, block_m=16), DEVICE)
               for s in ([0, 1], [1, 1, 0]))
     a1, a2, x = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(3, 8)
-    for layout, a in ((l1, a1), (l2, a2), (l1, a1)):
+    # The last two calls keep the layout and the route (kept constants), with a new input.
+    for layout, a in ((l1, a1), (l2, a2), (l1, a1), (l1, torch.ones(2, 4))):
         got = block_args(a, w, layout, shrink=False)
         assert got[0] is a and got[2] is layout.permutation and got[3] is layout.token_slots
         assert got[13] is a, "without a shrink the A argument is the input itself"
-    got = block_args(x, w, l2, shrink=True)
-    assert got[0] is x and got[13] is w.lora_a and got[14] == 8
+    for src in (x, torch.ones(3, 8)):
+        got = block_args(src, w, l2, shrink=True)
+        assert got[0] is src and got[13] is w.lora_a and got[14] == 8
 
 
 def test_rope_refuses_a_term_of_another_projection():

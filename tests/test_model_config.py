@@ -73,6 +73,19 @@ def test_a_config_built_directly_checks_its_rope_scaling(scaling, says):
     assert dataclasses.replace(tiny(), rope_scaling={"rope_type": "default"}).rope_scaling is None
 
 
+@pytest.mark.parametrize("change, says", [
+    (dict(head_dim=-2), "head_dim must be a positive integer"),
+    (dict(head_dim=3), "positive and even for rotary embeddings, got 3"),
+    (dict(head_dim=0, num_heads=4, hidden_size=36), "positive and even .* got 9"),
+    (dict(head_dim=0, num_heads=4, hidden_size=30), "hidden_size must divide by num_heads"),
+    (dict(num_heads=4, num_kv_heads=3), "multiple of num_kv_heads=3"),
+])
+def test_head_shapes_attention_cannot_serve_are_refused(change, says):
+    with pytest.raises(ValueError, match=says):
+        dataclasses.replace(tiny(), **change)
+    assert dataclasses.replace(tiny(), head_dim=0, hidden_size=32).head_dim == 8  # 32 / 4 heads
+
+
 L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 64}
 

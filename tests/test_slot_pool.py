@@ -54,3 +54,25 @@ def test_evicted_and_reloaded_adapter_uses_its_own_weights():
                                    DEVICE)
             torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4, msg=f"{order}: {n}")
     assert set(runner.lora.pool.slot_of) <= {"a", "b", "c"}
+
+
+def test_a_pinned_load_with_every_slot_pinned_is_refused_and_changes_nothing():
+    from lora_runtime.lora.adapters import AdapterError
+
+    runner = make_runtime(tiny(1), dtype=torch.float32, device="cpu", slots=2, max_rank=8)
+    lora = runner.lora
+    ads = [random_adapter(lora.model.config, n, 4, ["q_proj"], seed=i, b_std=0.3)
+           for i, n in enumerate("abc")]
+    for ad in ads[:2]:
+        lora.load_adapter(ad.name, ad, pinned=True)
+    w = lora.weights[(0, "qkv_proj")]
+    state = lambda: (dict(lora.pool.slot_of), set(lora.pool.pinned), set(lora.adapters),  # noqa: E731
+                     lora.writer.writes, [t.clone() for t in (w.lora_a, w.ranks, w.scalings)])
+    before = state()
+    with pytest.raises(AdapterError, match="cannot pin 'c'.*pinned: \\['a', 'b'\\]"):
+        lora.load_adapter("c", ads[2], pinned=True)
+    after = state()
+    assert before[:4] == after[:4]
+    assert all(torch.equal(x, y) for x, y in zip(before[4], after[4], strict=True))
+    lora.load_adapter("c", ads[2])  # unpinned, it loads (and waits for a slot)
+    assert "c" in lora.adapters and "c" not in lora.pool.slot_of

@@ -236,3 +236,31 @@ def test_partial_layer_adapter_beside_a_full_one_and_replaced():
     h.lora.load_adapter("Q", q)
     _replay_first(h, [None, q, p1], seed=2, lens=[4, 5, 6])
     h.assert_slot_holds(h.lora.pool.slot_of["Q"], q)
+
+
+def test_a_step_agreed_on_other_rows_per_rank_is_refused_before_any_write(h):
+    """A replay whose gathered rows (a DP step's agreement; here a group of one) name another
+    row count than the bucket's is refused before any static buffer or slot is written;
+    with the bucket's it replays as the plain batch does."""
+    from lora_runtime.engine.forward_batch import ForwardMode, GatheredRows
+
+    h.adapter("A", 3, ["q_proj", "down_proj"], seed=90)
+    reqs = [Request([1, 2, 3], "A", 2), Request([4, 5], None, 2)]
+    build_extend(reqs, h.runner.kv, DEVICE)
+    for r in reqs:
+        r.output.append(6)
+    batch = build_decode(reqs, h.runner.kv, DEVICE)
+    eager = h.runner.forward_eager(batch).clone()
+    h.lora.reset_lora_batch()
+    bucket = h.decode.bucket_for(batch)
+    agreed = lambda rows: dataclasses.replace(batch, gathered=GatheredRows(  # noqa: E731
+        ForwardMode.DECODE, rows, (("A", None),), ((1, 1),)))
+    before = [t.clone() for t in (*h.decode.buffers._static, h.decode.lora_buffers.tokens._buf)]
+    writes = h.lora.writer.writes
+    with pytest.raises(ValueError, match=f"agreed on 2 rows per rank but bucket {bucket}"):
+        h.decode.replay(agreed(2))
+    after = (*h.decode.buffers._static, h.decode.lora_buffers.tokens._buf)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert h.lora.backend.batch_info is None and h.lora.writer.writes == writes
+    torch.testing.assert_close(h.decode.replay(agreed(bucket)), eager, rtol=1e-4, atol=1e-4)
+    release(reqs, h.runner.kv)
