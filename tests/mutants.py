@@ -381,7 +381,8 @@ MUTANTS = [
     Mutant("floor_counts_rows",
            "LoRA's bytes floor counts an adapter once per row that uses it, not once a step",
            "bench/lora_floor.py",
-           (("    for n in set(names):\n        if n is None:", "    for n in names:\n        if n is None:"),),
+           (("    for n in set(names):\n        if n is None:",
+             "    for n in names:\n        if n is None:"),),
            ("tests/test_lora_floor.py::test_a_steps_floor_counts_each_distinct_adapter_once",)),
     Mutant("dp_ahead_reads_no_pending_tokens",
            "a DP rank's step run ahead is built as if the step in flight had been read (its "
