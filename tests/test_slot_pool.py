@@ -3,6 +3,8 @@ adapter in another slot still computes with its own weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -76,3 +78,25 @@ def test_a_pinned_load_with_every_slot_pinned_is_refused_and_changes_nothing():
     assert all(torch.equal(x, y) for x, y in zip(before[4], after[4], strict=True))
     lora.load_adapter("c", ads[2])  # unpinned, it loads (and waits for a slot)
     assert "c" in lora.adapters and "c" not in lora.pool.slot_of
+
+
+@pytest.mark.gpu
+def test_an_adapter_with_its_tensors_on_the_gpu_loads_and_computes_as_on_the_host():
+    """The slot image is host memory, pinned on a GPU runtime: packing the tensors where they
+    were left them on the GPU, and pinning one there raised 'cannot pin'."""
+    runner = make_runtime(CFG, dtype=torch.float32, device="cuda", backend="triton", slots=2,
+                          max_rank=8)
+    host = random_adapter(CFG, "h", 4, seed=3, b_std=0.3)
+    on_gpu = dataclasses.replace(host, name="g", modules={
+        k: dataclasses.replace(m, a=m.a.cuda(), b=m.b.cuda()) for k, m in host.modules.items()})
+    runner.lora.load_adapter("h", host)
+    runner.lora.load_adapter("g", on_gpu)
+    assert runner.lora.images["g"].data.device.type == "cpu"
+    assert runner.lora.images["g"].data.is_pinned()
+    prompt = [3, 1, 4, 1, 5]
+    reqs = [Request(prompt, n) for n in ("h", "g")]
+    logits = runner.forward_eager(build_extend(reqs, runner.kv, "cuda"))
+    release(reqs, runner.kv)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    ref = reference_logits(merged_model(runner.model, host), prompt, torch.float32, "cuda")
+    torch.testing.assert_close(logits[1], ref, rtol=1e-4, atol=1e-4)

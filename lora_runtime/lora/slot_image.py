@@ -70,7 +70,9 @@ class SlotImage:
                 a, b = (m.a.t(), m.b) if w.is_embedding else local_weights(module, m)
                 for part, t in (("a", a), ("b", b)):
                     blocks.append(_Block(key, part, s, *t.shape))
-                    parts.append(t.reshape(-1).to(dtype))
+                    # The image lives on the host (slot writes copy it in; pinned on a GPU
+                    # runtime): an adapter whose tensors are on the GPU is copied out.
+                    parts.append(t.reshape(-1).to("cpu", dtype))
         data = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
         image = SlotImage(data, tuple(blocks), torch.tensor(ranks, dtype=torch.int32),
                           torch.tensor(scalings, dtype=torch.float32))
