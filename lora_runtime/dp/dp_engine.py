@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -181,9 +182,18 @@ class DPEngine(Engine):
         error every rank raises alike (the agreement's checks) leaves them in step, and this
         rank's requests as they were."""
         self._share_free_slots()
-        plan = self.scheduler.schedule()
-        with self._undone_on_error(plan or ScheduledStep(ForwardMode.IDLE, [], [])):
-            return self._agree_and_launch(plan, start, running)
+        s = self.scheduler
+        queued = (deque(s.waiting), list(s.running))
+        plan = s.schedule()
+        try:
+            with self._undone_on_error(plan or ScheduledStep(ForwardMode.IDLE, [], [])):
+                return self._agree_and_launch(plan, start, running)
+        except BaseException:
+            # Admissions of a step no agreement named: kept, their adapters were in no rank's
+            # agreed union, the next step's quotas (rotated) let a peer admit as many again,
+            # and that union outgrew the slots mid-forward (every rank faulted).
+            s.waiting, s.running = queued
+            raise
 
     def _agree_and_launch(self, plan: ScheduledStep | None, start: float,
                           running: LaunchedStep | None) -> LaunchedStep | None:
