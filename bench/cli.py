@@ -136,6 +136,10 @@ def prepare_out(out: Path, files: list[str], published: Path | None) -> None:
                 results.load(path)
             except results.ResultFileError as e:
                 raise SystemExit(f"error: {e} (this run would add its rows to it)") from None
+    if published and not (published.is_dir() and os.access(published, os.W_OK | os.X_OK)):
+        # It failed after the first case, leaving a run folder of one case.
+        raise SystemExit(f"--publish: {published} is not a writable folder: make it writable "
+                         "or run without --publish")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -50,7 +50,7 @@ def assert_logits_match(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
     noise = 1.4826 * (g - e).abs().median(dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > torch.clamp(NOISE_SIGMAS * noise, min=margin)
     flipped = int((g.argmax(-1) != e.argmax(-1))[clear].sum())
-    if row_err > tol or flipped:
+    if not row_err <= tol or flipped:  # nan: a NaN logit, never within the limit
         raise AssertionError(f"{what}: worst row relative error {row_err:.3g} (limit {tol}), "
                              f"{flipped} greedy tokens differ where the top-2 margin exceeds "
                              f"{margin:.3g} and {NOISE_SIGMAS:g} times the row's noise")

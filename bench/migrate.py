@@ -76,8 +76,9 @@ def _common(r: dict, case: dict, variant: dict, derived: tuple, verification: di
         "schema": 2, "suite": r["suite"], "run_id": r.get("run_id"),
         "reproduce": r.get("reproduce", ""), **case, "case_key": sorted(case),
         **variant, "variant": sorted(variant),
+        # A row without a median was not timed: null stats, as readers of schema 2 expect.
         "stats": {**{k: r.get(k) for k in STATS}, "n": r.get("samples"),
-                  "mode": r.get("timing_mode")},
+                  "mode": r.get("timing_mode")} if _number(r.get("median_us")) else None,
         "samples_us": [], "derived": {k: r.get(k) for k in derived if k in r},
         "telemetry": None, "verification": verification,
     }
@@ -118,12 +119,23 @@ def _check_current(data: dict) -> None:
             raise MalformedResultFile(f"row {i} has no {', '.join(missing)}")
         if not isinstance(r["case_key"], list) or not isinstance(r["variant"], list):
             raise MalformedResultFile(f"row {i}: 'case_key' and 'variant' must be lists")
-        if not isinstance(r["verification"], dict) or "status" not in r["verification"]:
-            raise MalformedResultFile(f"row {i}: 'verification' has no 'status'")
+        if not isinstance(r["verification"], dict) or not isinstance(
+                r["verification"].get("status"), str):
+            raise MalformedResultFile(f"row {i}: 'verification' has no 'status' text")
         if r.get("stats") is not None and not isinstance(r["stats"], dict):
             raise MalformedResultFile(f"row {i}: 'stats' is neither an object nor null")
+        if r.get("stats") and not _number(r["stats"].get("median_us")):
+            raise MalformedResultFile(f"row {i}: 'stats' has no numeric 'median_us' (a row "
+                                      "not timed has \"stats\": null)")
+        if not isinstance(r.get("derived"), dict):
+            raise MalformedResultFile(f"row {i}: 'derived' is not an object ({{}} when the "
+                                      "row has no figures)")
         for part in ("case_key", "variant"):  # the tables index rows by these
             lost = [k for k in r[part] if k not in r]
             if lost:
                 raise MalformedResultFile(f"row {i}: its {part} names {lost[0]!r} but the row "
                                           "has no such field")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -279,7 +279,7 @@ def write_report(paths: list[Path], baseline: list[Path], out: Path,
     page = build(rows, runs, base_rows, base_runs)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(page)
+        out.write_text(page, encoding="utf-8")  # as its <meta charset> says
     except OSError as e:  # a file where a folder of the path should be, a read-only folder
         raise UnwritablePage(f"-o {out}: cannot write the report ({e.strerror}: "
                              f"{e.filename}): give a path in a writable folder") from None

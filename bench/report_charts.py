@@ -228,7 +228,8 @@ def deltas(pairs: list[tuple[str, float]]) -> list[go.Figure]:
 
 
 def base_step(rows) -> list[go.Figure]:
-    steps = [r for r in rows if r["suite"] == "base_step" and r.get("stats")]
+    steps = [r for r in rows if r["suite"] == "base_step" and r.get("stats")
+             and r["derived"].get("pct_of_roofline") is not None]
     if not steps:
         return []
     series = defaultdict(list)

@@ -71,7 +71,7 @@ def load(path: Path) -> dict:
         raise ResultFileError(f"{path}: not a result file (result files are the suites' "
                               "*.json files, or pass the run folder holding them)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8 (RFC 8259)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         what = (f"{e.msg} at line {e.lineno} column {e.colno}"
                 if isinstance(e, json.JSONDecodeError) else str(e))

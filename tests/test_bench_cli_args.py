@@ -91,6 +91,24 @@ def test_hostbench_refuses_a_missing_baseline_before_running(monkeypatch, capsys
         host_main.main(["--out", str(file)])
 
 
+def test_hostbench_refuses_a_baseline_that_is_not_a_host_run_before_running(monkeypatch, capsys,
+                                                                          tmp_path):
+    """A suite's result file compared as a run of no benchmarks: "nothing compared", exit 0,
+    and --publish replaced the reference; a truncated one was a traceback after the run."""
+    monkeypatch.setattr(host_main, "run_benchmarks", _never)
+    suite = tmp_path / "kernels-cpu.json"
+    suite.write_text(json.dumps({"schema": 2, "runs": {}, "rows": []}))
+    cut = tmp_path / "host-cpu.json"
+    cut.write_text('{"benchmarks": [{"name"')
+    for path, says in ((suite, "not a host-path benchmark run"), (cut, "not valid JSON")):
+        _usage_error(capsys, host_main.main, ["--out", str(tmp_path), "--publish",
+                                              "--baseline", str(path)],
+                     f"argument --baseline: {path}: {says}")
+        new = tmp_path / "20250102-120000-cpu.json"
+        new.write_text(json.dumps({"benchmarks": []}))
+        _usage_error(capsys, compare.main, [str(new), str(path)], f"{path}: {says}")
+
+
 def test_hostbench_refuses_to_publish_another_set_up_before_running(monkeypatch, tmp_path):
     # The reference holds the default set-up's every benchmark: --host-batch-sizes 1,8 (or
     # --host-devices cpu on a GPU host) replaced it with a subset of its rows.

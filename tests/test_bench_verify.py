@@ -108,6 +108,16 @@ def test_a_flipped_greedy_token_fails_where_its_margin_is_clear_for_the_depth(la
         assert assert_logits_match(got, want, torch.bfloat16, "case", layers) < 0.085
 
 
+def test_nan_logits_never_match_in_bf16():
+    """A row error of nan is not above the limit: a replay giving NaN was verified and timed."""
+    want = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got = want.clone()
+    got[1, 3] = float("nan")
+    for g, w in ((got, want), (got, got)):
+        with pytest.raises(AssertionError, match="worst row relative error nan"):
+            assert_logits_match(g, w, torch.bfloat16, "case")
+
+
 def test_a_flip_within_the_rows_broad_noise_is_not_a_clear_margin():
     """Every logit of the row moved (rounding through 4 layers): a top-2 margin of 0.12 is
     within ten of its sigmas; the same flip with the rest of the row unmoved fails."""

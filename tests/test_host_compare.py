@@ -70,6 +70,15 @@ def test_a_threshold_of_one_or_less_is_refused(tmp_path):
         compare.main([str(new), "--threshold", "1"])
 
 
+def test_a_nan_threshold_is_refused(tmp_path, capsys):
+    """It passed the check (nan <= 1 is false), and no ratio is above nan: nothing regressed."""
+    old = _run(tmp_path, "20250101-120000-cpu.json", {"plan[bs1]": 10.0})
+    new = _run(tmp_path, "20250102-120000-cpu.json", {"plan[bs1]": 100.0})
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(new), str(old), "--threshold", "nan"])
+    assert e.value.code == 2 and "a factor > 1" in capsys.readouterr().err
+
+
 def test_a_run_sharing_no_benchmark_with_the_reference_says_nothing_was_compared(
         tmp_path, capsys):
     old = _run(tmp_path, "20250101-120000-cpu.json", {"plan[cpu-bs1]": 10.0})

@@ -85,6 +85,12 @@ def test_a_profile_session_s_rows_never_win(tmp_path, monkeypatch):
     (lambda d: d["rows"][0].pop("provider"), "row 0: its variant names 'provider'"),
     # Read as the current schema, whatever its rows had become:
     (lambda d: d.update(schema=3), "schema 3 is newer than this checkout reads (2)"),
+    # A KeyError / TypeError / AttributeError traceback from the tables and charts:
+    (lambda d: d["rows"][0]["stats"].pop("median_us"), "row 0: 'stats' has no numeric 'median"),
+    (lambda d: d["rows"][0]["stats"].update(median_us="12"), "row 0: 'stats' has no numeric"),
+    (lambda d: d["rows"][0].update(derived=None), "row 0: 'derived' is not an object"),
+    (lambda d: d["rows"][0].pop("derived"), "row 0: 'derived' is not an object"),
+    (lambda d: d["rows"][0]["verification"].update(status=None), "'status' text"),
 ])
 def test_a_malformed_result_file_is_an_error_naming_it(tmp_path, mutate, says):
     path = _result(tmp_path / "k.json", rows()[:4])
@@ -195,3 +201,25 @@ def test_a_schema_1_row_without_its_fields_is_an_error_naming_it(tmp_path):
     with pytest.raises(SystemExit, match=re.escape(str(path)) + ".*row 1 of schema 1 has no "
                        "'runtime'"):
         report.main([str(path), "-o", str(tmp_path / "r.html")])
+
+
+def test_a_schema_1_row_without_a_median_reads_as_not_timed(tmp_path):
+    """It was migrated to stats with a null median: a TypeError in the graph-vs-eager chart."""
+    old = json.loads((Path(__file__).parent.parent / "results" / "model-cpu.json").read_text())
+    for r in old["rows"]:
+        if r.get("path") == "eager":
+            del r["median_us"]
+    path = tmp_path / "model-cpu.json"
+    path.write_text(json.dumps(old))
+    page = report.write_report([path], [], tmp_path / "r.html").read_text()
+    assert "Graph speed-up over eager" not in page and "No model rows." in page
+    rows = [r for r in report.results.load(path)["rows"] if r["path"] == "eager"]
+    assert rows and all(r["stats"] is None for r in rows)
+
+
+def test_a_base_step_row_without_its_roofline_figure_is_left_out_of_its_chart():
+    """A KeyError traceback ended the report."""
+    steps = [r for r in rows() if r["suite"] == "base_step"]
+    steps[0] = steps[0] | {"derived": {}}
+    [fig] = report_charts.base_step(steps)
+    assert [len(t.x) for t in fig.data] == [1]

@@ -5,7 +5,10 @@ twice, rows of several devices, ``--publish`` with a subset, an unknown profile.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +116,28 @@ def test_a_publish_into_a_corrupt_result_file_leaves_no_run_folder(tmp_path, mon
     assert not (tmp_path / "runs").exists(), "a refused run made its run folder"
 
 
+def test_a_publish_into_a_results_folder_it_cannot_write_leaves_no_run_folder(tmp_path,
+                                                                             monkeypatch):
+    """It ran the first case, then failed with a traceback writing the published file."""
+    published = tmp_path / "results"
+    monkeypatch.setattr(cli, "RESULTS", published)
+    monkeypatch.setattr(cli.hardware, "measure", lambda *a: pytest.fail("measured"))
+    access = cli.os.access
+    monkeypatch.setattr(cli.os, "access", lambda p, mode: Path(p) != published
+                        and access(p, mode))
+    out = tmp_path / "run"
+    argv = ["--profile", "cpu", "--suite", "kernels", "--filter", "qkv_proj T=1 adapters=1 r=8$",
+            "--publish", "--out", str(out)]
+    published.write_text("")  # a file where the folder should be
+    with pytest.raises(SystemExit, match=f"--publish: {published} is not a writable folder"):
+        cli.main(argv)
+    published.unlink()
+    published.mkdir()  # read-only (as os.access says)
+    with pytest.raises(SystemExit, match=f"--publish: {published} is not a writable folder"):
+        cli.main(argv)
+    assert not out.exists(), "a refused run made its run folder"
+
+
 def test_an_out_that_is_a_file_or_cannot_be_made_stops_before_measuring(tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -181,3 +206,22 @@ def test_an_unknown_profile_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench_profile.main(["x", "--profile", "nosuch"])
     assert e.value.code == 2 and "invalid choice: 'nosuch'" in capsys.readouterr().err
+
+
+def test_the_report_and_result_files_are_utf_8_whatever_the_locale(tmp_path):
+    """Read and written in the locale's encoding: under an ASCII locale every report was a
+    UnicodeEncodeError traceback (plotly.js is not ASCII), and a UTF-8 result file "not valid
+    JSON"; in another 8-bit locale the page contradicted its <meta charset="utf-8">."""
+    run = RUN | {"device": "Fake GPU ☃"}
+    k = tmp_path / "k.json"
+    k.write_text(json.dumps({"schema": 2, "runs": {run["run_id"]: run}, "rows": [
+        r | {"run_id": run["run_id"]} for r in rows()[:4]]}, ensure_ascii=False),
+        encoding="utf-8")
+    script = ("import sys; from pathlib import Path; from bench import report; "
+              "report.write_report([Path(sys.argv[1])], [], Path(sys.argv[2]))")
+    env = os.environ | {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+                        "PYTHONPATH": str(Path(__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", script, str(k), str(tmp_path / "r.html")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Fake GPU ☃" in (tmp_path / "r.html").read_bytes().decode("utf-8")

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.args import existing_file
 from bench.host import compare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +31,7 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     compare.add_options(p)
-    p.add_argument("--baseline", type=existing_file, default=None, metavar="FILE",
+    p.add_argument("--baseline", type=compare.run_file, default=None, metavar="FILE",
                    help="compare with this run file instead of the previous run")
     p.add_argument("--publish", action="store_true",
                    help="when the comparison passes, write the run (without raw samples) to "

@@ -56,6 +56,25 @@ def read_times(path: Path, stat: str = "median") -> dict[str, float]:
     return {b["name"]: b["stats"][stat] * 1e6 for b in data.get("benchmarks", [])}
 
 
+def run_file(text: str) -> Path:
+    """An argparse ``type``: a run file of ``python -m bench.host`` (pytest-benchmark JSON),
+    checked before the run: another file compared as a run of no benchmarks and passed."""
+    path = existing_file(text)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: not valid JSON ({e}); the file is truncated "
+                                         "or corrupt") from None
+    benchmarks = data.get("benchmarks") if isinstance(data, dict) else None
+    if not isinstance(benchmarks, list) or not all(
+            isinstance(b, dict) and "name" in b and isinstance(b.get("stats"), dict)
+            for b in benchmarks):
+        raise argparse.ArgumentTypeError(f"{text}: not a host-path benchmark run (no "
+                                         "'benchmarks' list of named stats); give a run file "
+                                         "of python -m bench.host, e.g. results/host-cpu.json")
+    return path
+
+
 def setup_of(path: Path) -> tuple:
     """What must match for two runs' times to compare: shapes and devices benchmarked."""
     run = json.loads(Path(path).read_text()).get("machine_info", {}).get("multilora", {})
@@ -94,7 +113,7 @@ def compare(new_path: Path, old_path: Path | None, threshold: float = DEFAULT_TH
             stat: str = "median", out=None) -> int:
     """Prints the comparison; returns the exit status (1: a regression)."""
     out = out or sys.stdout
-    if threshold <= 1:
+    if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a factor on the {stat}), got {threshold}")
     if old_path is None:
         print(f"no previous run of this device and set-up beside {new_path}: nothing to "
@@ -121,7 +140,7 @@ def compare(new_path: Path, old_path: Path | None, threshold: float = DEFAULT_TH
 
 def _factor(text: str) -> float:
     value = float(text)
-    if value <= 1:
+    if not value > 1:  # nan too: no ratio is ever above it
         raise argparse.ArgumentTypeError(f"a factor > 1 on the previous time, got {text}")
     return value
 
@@ -137,8 +156,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("new", type=existing_file)
-    p.add_argument("old", type=existing_file, nargs="?", default=None,
+    p.add_argument("new", type=run_file)
+    p.add_argument("old", type=run_file, nargs="?", default=None,
                    help="default: the newest earlier run of the same device beside NEW")
     add_options(p)
     args = p.parse_args(argv)
