@@ -82,21 +82,25 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     profile = args.profile if args.profile != "auto" else ("gpu" if cuda else "cpu")
-    if PROFILES[profile].cuda and not cuda:
-        raise SystemExit(f"profile {profile!r} needs a CUDA device; use --profile cpu")
     todo = select(args, profile)
-    if args.list:
+    if args.list:  # listing a GPU profile's labels needs no GPU (filters for a GPU run)
         for name, cases in todo.items():
             print(f"# {name}: {len(cases)} cases (profile {profile})")
             print("\n".join(c.label for c in cases))
         return 0
+    if PROFILES[profile].cuda and not cuda:
+        raise SystemExit(f"profile {profile!r} needs a CUDA device; use --profile cpu")
     device = torch.device("cuda" if PROFILES[profile].cuda else "cpu")
-    run = provenance.collect(device) | {"profile": profile, "suite_seconds": {}}
+    command = ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]
+    run = provenance.collect(device, command) | {"profile": profile, "suite_seconds": {}}
     if args.profiled_by:  # timed under a profiler: the report never prefers these rows
         run["profiled_by"] = args.profiled_by
     slug = provenance.device_slug(device)
     out = args.out or RESULTS / "runs" / f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{slug}"
     files = [f"{name}-{slug}.json" for name in todo]
+    if not args.publish and out.resolve() == RESULTS.resolve():
+        raise SystemExit(f"--out {out} is the committed results folder, whose files change "
+                         "only with --publish: add --publish, or give another folder")
     prepare_out(out, files, RESULTS if args.publish else None)
     ceil = hardware.measure(device, PROFILES[profile].dtype)
     run["ceilings"] = ceil.as_dict()

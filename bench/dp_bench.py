@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -289,9 +290,11 @@ def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> fl
     return sorted(samples)[len(samples) // 2]
 
 
-def _run_record() -> dict:
+def _run_record(argv: list[str] | None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return provenance.collect(device) | {"profile": "gpu" if device.type == "cuda" else "cpu"}
+    command = ["python", "-m", "bench.dp_bench", *(sys.argv[1:] if argv is None else argv)]
+    return (provenance.collect(device, command)
+            | {"profile": "gpu" if device.type == "cuda" else "cpu"})
 
 
 def check_out(p: argparse.ArgumentParser, out: Path) -> None:
@@ -344,11 +347,11 @@ def main(argv=None) -> int:
         part = args.out.with_suffix(f".dp{size}.json")
         run_rank(int(os.environ["RANK"]), size, opts, str(part))
         if int(os.environ["RANK"]) == 0:
-            results.upsert(args.out, _run_record(), json.loads(part.read_text()))
+            results.upsert(args.out, _run_record(argv), json.loads(part.read_text()))
             part.unlink()
             print(f"wrote {args.out}")
         return 0
-    run = _run_record()
+    run = _run_record(argv)
     for size in args.sizes or [1, 2]:
         part = args.out.with_suffix(f".dp{size}.json")
         spawn(run_rank, size, size, opts, str(part), timeout_s=args.timeout)

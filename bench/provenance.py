@@ -51,7 +51,10 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
 
 
-def collect(device: torch.device) -> dict:
+def collect(device: torch.device, command: list[str] | None = None) -> dict:
+    """``command``: the command line that ran (default ``python -m bench`` and this process's
+    arguments; a tool that calls another, as ``bench.profile`` calls ``bench``, passes it)."""
+    command = command or ["python", "-m", "bench", *sys.argv[1:]]
     now = datetime.datetime.now(datetime.UTC)
     return {
         # Copies of the tree without .git (a lent GPU machine) pass the sha in the environment.
@@ -64,7 +67,7 @@ def collect(device: torch.device) -> dict:
         "device": device_name(device),
         "driver": telemetry.driver_version() if device.type == "cuda" else "",
         "host": platform.node(),
-        "command": " ".join(shlex.quote(a) for a in ["python", "-m", "bench", *sys.argv[1:]]),
+        "command": " ".join(shlex.quote(a) for a in command),
         "timestamp": now.isoformat(timespec="seconds"),
         "run_id": f"{now:%Y%m%d-%H%M%S}-{_sha()[:10]}",
     }

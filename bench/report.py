@@ -272,6 +272,9 @@ def write_report(paths: list[Path], baseline: list[Path], out: Path,
     if need_rows and not rows:
         raise SystemExit("no result rows in " + ", ".join(map(str, paths)))
     base_rows, base_runs = results.rows_of(baseline) if baseline else (None, None)
+    if baseline and not base_rows:  # "the baseline's devices (none) are not this run's"
+        raise SystemExit(f"--baseline {', '.join(map(str, baseline))}: no result rows: give "
+                         "the result files or run folder of an earlier run")
     superseded = results.latest_per_case(with_device(rows, runs), runs)[1]
     if superseded:
         print(f"note: {superseded} rows superseded by later runs of the same case (the "
@@ -301,6 +304,21 @@ def _writable_page(out: Path) -> Path:
     return out
 
 
+def _usable_screenshot(png: Path) -> None:
+    """Checked before the report is built: chromium writes wherever it is told, and the file
+    there is deleted first (it deleted the report itself, or a result file, when named)."""
+    if png.is_dir():
+        raise SystemExit(f"--screenshot {png} is a folder: give the PNG file's path "
+                         f"(e.g. {png / 'report.png'})")
+    if png.suffix.lower() != ".png":
+        raise SystemExit(f"--screenshot {png}: give a .png path (e.g. {png.with_suffix('.png')})")
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--screenshot {png}: cannot create its folder ({e.strerror}: "
+                         f"{e.filename}): give a path in a writable folder") from None
+
+
 def newest_run_folder(runs_dir: Path) -> Path | None:
     """The newest run folder (``<YYYYmmdd-HHMMSS>-<device>``) holding result files. A profile
     session's folder (``...-profile``) is not one: its case was timed under a profiler."""
@@ -319,7 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="HTML file (default: report.html in the first run folder given)")
     p.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
-                   help="also save a screenshot of the report's top (headless Chromium)")
+                   help="also save a screenshot of the report's top (headless Chromium; a .png "
+                        "path, checked before the report is built)")
     args = p.parse_args(argv)
     paths = args.paths
     if not paths:
@@ -338,6 +357,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"no such result file or folder: {', '.join(missing)}")
     out = _writable_page(args.output or (
         (paths[0] if paths[0].is_dir() else paths[0].parent) / "report.html"))
+    if args.screenshot:
+        _usable_screenshot(args.screenshot)
     try:
         write_report(paths, args.baseline, out, need_rows=True)
     except results.ResultFileError as e:

@@ -10,7 +10,8 @@ of the rounds' LoRA-minus-base replay times.
 
 A variant is ``NAME`` or ``NAME:KNOB=VALUE,...``; ``KNOB`` is an upper-case name of
 ``kernels.config`` (``GRAPH_WINDOWS_MIN_ROWS.rope=128`` for a key of a dict knob) or
-``SIDE_STREAM``; ``VALUE`` a Python literal (``1e9`` is read as an int). Each variant starts
+``SIDE_STREAM``; ``VALUE`` a Python literal of the knob's type (``1e9`` is read as an int; a
+bool knob takes 0 or 1, a tuple as many values). Each variant starts
 from the defaults; they are restored on exit."""
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"variant {name!r}: {item!r} is not KNOB=VALUE")
         knob, _, key = lhs.partition(".")
         _check_knob(name, knob, key or None)
-        knobs.append((knob, key or None, _literal(value)))
+        knobs.append((knob, key or None, _checked_value(name, lhs, knob, key or None,
+                                                        _literal(value))))
     return Variant(name, tuple(knobs))
 
 
@@ -97,6 +99,26 @@ def _check_knob(variant: str, knob: str, key: str | None) -> None:
     if key is None and isinstance(current, dict):
         raise ValueError(f"variant {variant!r}: {knob} is a dict; set one key: "
                          f"{knob}.{next(iter(current))}=VALUE")
+
+
+def _checked_value(variant: str, lhs: str, knob: str, key: str | None, value):
+    """``value`` if it has the default's type (a bool knob takes 0 or 1, a tuple as many
+    values of the same types): the knobs are read deep inside a capture, where a str or a
+    tuple for an int was a TypeError after every variant's runtime was built."""
+    current = _get(knob) if key is None else _get(knob)[key]
+    want = type(current)
+    if want is bool:
+        ok = isinstance(value, bool) or (type(value) is int and value in (0, 1))
+    else:
+        ok = type(value) is want
+    if not ok:
+        raise ValueError(f"variant {variant!r}: {lhs}={value!r} is of type "
+                         f"{type(value).__name__}; it takes type {want.__name__} (default "
+                         f"{current!r})")
+    if want is tuple and [type(v) for v in value] != [type(v) for v in current]:
+        raise ValueError(f"variant {variant!r}: {lhs}={value!r}: it takes {len(current)} "
+                         f"values like its default {current!r}")
+    return value
 
 
 def _get(knob: str):

@@ -32,6 +32,11 @@ OVERRIDES = {"shrink": _overrides(lora_shrink), "expand": _overrides(lora_expand
 ``layout``), read from the launchers so the two cannot drift apart."""
 
 
+POWERS_OF_TWO = ("block_n", "block_k", "num_warps")
+"""Overrides Triton takes as powers of two only (a block is a ``tl.arange``): any other value
+was a traceback from the first launch."""
+
+
 def parse_grid(p: argparse.ArgumentParser, grid: list[str], kernel: str):
     """``name=v1,v2`` items -> (names, value lists); a bad item is a usage error naming it."""
     names, values = [], []
@@ -49,6 +54,11 @@ def parse_grid(p: argparse.ArgumentParser, grid: list[str], kernel: str):
             p.error(f"--grid {item!r}: values are integers or auto")
         if any(v is not None and v < 1 for v in vals):
             p.error(f"--grid {item!r}: values must be >= 1 (or auto)")
+        if name in names:  # zip() into the launch's kwargs kept only the last list
+            p.error(f"--grid {item!r}: {name} is already in the grid; give all its values in "
+                    f"one item ({name}=v1,v2,...)")
+        if name in POWERS_OF_TWO and any(v is not None and v & (v - 1) for v in vals):
+            p.error(f"--grid {item!r}: {name} values must be powers of 2 (or auto)")
         names.append(name)
         values.append(vals)
     return names, values
