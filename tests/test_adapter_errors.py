@@ -428,3 +428,30 @@ def test_saved_base_embeddings_on_a_quantized_model_layer(embed_runner, tmp_path
                                            r"torch\.int8 \(a quantized layer\).*floating dtype"):
         embed_runner.lora.load_adapter("e", path)
     _assert_unchanged(embed_runner.lora, before)
+
+
+V, H = CFG.vocab_size, CFG.hidden_size
+BAD_BASE_LAYERS = {
+    "meta tensor": ({"embed_tokens": torch.empty(V, H, device="meta")},
+                    r"base_layers\['embed_tokens'\] must be a tensor with data, got a meta"),
+    "a linear target": ({"q_proj": torch.zeros(V, H)},
+                        r"base_layers key 'q_proj' is not one of \['embed_tokens', 'lm_head'\]"),
+    "not a tensor": ({"lm_head": [[0.0]]}, r"base_layers\['lm_head'\] must be a tensor with "
+                                          "data, got list"),
+    "not a dict": ([("embed_tokens", torch.zeros(V, H))], "base_layers must be a dict"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BASE_LAYERS))
+def test_hand_built_base_layers_that_are_not_base_weights(runner, case):
+    """A LoRAAdapter's base_layers were read as tensors of embed_tokens / lm_head: a meta
+    tensor, another key, a list or a list of pairs raised bare RuntimeError, KeyError or
+    AttributeError."""
+    import dataclasses
+
+    layers, msg = BAD_BASE_LAYERS[case]
+    ad = dataclasses.replace(random_adapter(CFG, "x", 2, ("o_proj",)), base_layers=layers)
+    before = _snapshot(runner.lora)
+    with pytest.raises(AdapterError, match="adapter 'x'.*" + msg):
+        runner.lora.load_adapter("x", ad)
+    _assert_unchanged(runner.lora, before)

@@ -121,9 +121,22 @@ class LoRAAdapter:
             if not is_finite_number(m.scaling):
                 raise AdapterError(f"{where}: scaling must be a finite number, got "
                                    f"{m.scaling!r}")
-        v, h = config.vocab_size, config.hidden_size
+        self._validate_base_layers(config)
+
+    def _validate_base_layers(self, config: LlamaConfig) -> None:
+        if not isinstance(self.base_layers, dict):
+            raise AdapterError(f"adapter {self.name!r}: base_layers must be a dict of target -> "
+                               f"tensor, got {type(self.base_layers).__name__}")
+        want = (config.vocab_size, config.hidden_size)
         for target, t in self.base_layers.items():
-            want = (v, h)
+            if target not in _BASE_LAYER_TARGETS:
+                raise AdapterError(f"adapter {self.name!r}: base_layers key {target!r} is not one "
+                                   f"of {list(_BASE_LAYER_TARGETS)} (the base layers PEFT saves)")
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                got = "a meta tensor (shapes, no data)" if isinstance(t, torch.Tensor) else (
+                    type(t).__name__)
+                raise AdapterError(f"adapter {self.name!r}: base_layers[{target!r}] must be a "
+                                   f"tensor with data, got {got}")
             if tuple(t.shape) != want:
                 raise AdapterError(
                     f"adapter {self.name!r} carries {target} weights of shape {tuple(t.shape)}, "
@@ -137,6 +150,9 @@ class LoRAAdapter:
                                    f"quantized copy?): dequantize it {fix}")
             if not torch.isfinite(t if t.element_size() > 1 else t.float()).all():
                 raise AdapterError(f"{where} contains NaN or Inf: fix it {fix}")
+
+
+_BASE_LAYER_TARGETS = tuple(t for t, row in BY_NAME.items() if row.block is None)
 
 
 def _check_key(name: str, key, config: LlamaConfig) -> ModuleKey:

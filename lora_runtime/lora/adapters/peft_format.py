@@ -34,7 +34,7 @@ _BASE_KEY = re.compile(
 )
 _TOP_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)"
-    r"\.lora_(?:embedding_)?([AB])(?:\.default)?(?:\.weight)?$"
+    r"\.lora_(embedding_)?([AB])(?:\.default)?(?:\.weight)?$"
 )
 _UNSUPPORTED = {
     "use_dora": (True, "DoRA adapters are not supported"),
@@ -73,6 +73,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     alpha_pattern = _patterns(cfg, "alpha_pattern", is_finite_number, "a finite number", f)
     use_rslora = _flag(cfg, "use_rslora", f)
     targets = _targets(cfg, path)
+    params = _target_parameters(cfg, path)
     tensors = _read_weights(path)
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     base_layers = {}
@@ -83,6 +84,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
             base_layers[m.group(1)] = t
             continue
         mk, ab = _parse_key(key, path)
+        ab, t = _embedding_layout(key, mk, ab, t)
         _once(seen, (mk, ab), key, path)
         pairs.setdefault(mk, {})[ab] = t
     modules = {}
@@ -99,7 +101,8 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
         if a.dim() != 2 or b.dim() != 2:
             raise AdapterError(f"{where}: lora_A/lora_B must be 2-D, got {tuple(a.shape)} and "
                                f"{tuple(b.shape)}")
-        mod_r = _pattern_value(rank_pattern, module_path(*mk), r)
+        pattern_name = _pattern_name(mk, params)
+        mod_r = _pattern_value(rank_pattern, pattern_name, r)
         if a.shape[0] != b.shape[1]:
             raise AdapterError(f"{where}: lora_A {tuple(a.shape)} has rank {a.shape[0]} but "
                                f"lora_B {tuple(b.shape)} has rank {b.shape[1]} (a corrupt or "
@@ -108,7 +111,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
             raise AdapterError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} have "
                                f"rank {a.shape[0]}, but {CONFIG} gives this module rank {mod_r}: "
                                "set r, or a rank_pattern entry for it, to the weights' rank")
-        mod_alpha = float(_pattern_value(alpha_pattern, module_path(*mk), alpha))
+        mod_alpha = float(_pattern_value(alpha_pattern, pattern_name, alpha))
         scaling = mod_alpha / (math.sqrt(mod_r) if use_rslora else mod_r)
         modules[mk] = ModuleLoRA(a, b, scaling)
     return LoRAAdapter(name, modules, r, float(alpha), use_rslora,
@@ -232,7 +235,7 @@ def _read_config(path: Path) -> dict:
                            f"folder with {CONFIG} and {WEIGHTS})")
     f = path / CONFIG
     if not f.is_file():
-        raise AdapterError(f"{f} is missing: not a PEFT adapter folder")
+        raise AdapterError(f"{f} is missing: not a PEFT adapter folder{_subfolder_hint(path)}")
     try:
         cfg = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -260,6 +263,15 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
+def _subfolder_hint(path: Path) -> str:
+    """PEFT's save_pretrained puts an adapter not named "default" in a subfolder of its name."""
+    subs = sorted(d.name for d in path.iterdir() if (d / CONFIG).is_file())
+    if not subs:
+        return ""
+    return (f" (it holds PEFT adapters in subfolders {subs}, as save_pretrained writes adapters "
+            f"not named 'default': pass one of them, e.g. {path / subs[0]})")
+
+
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     f = path / WEIGHTS
     if not f.is_file():
@@ -278,15 +290,12 @@ def _targets(cfg: dict, path: Path) -> set[str] | None:
     ``target_parameters`` adds the modules of the parameters it names; with
     ``ensure_weight_tying`` embed_tokens and lm_head stand for each other."""
     raw = cfg.get("target_modules")
-    params = cfg.get("target_parameters") or []
+    params = _target_parameters(cfg, path)
     if raw is None and not params:
         raise AdapterError(f"{path / CONFIG}: target_modules is missing")
     names = _target_names(raw or [], path)
     if names is None:
         return None
-    if not isinstance(params, list) or not all(isinstance(t, str) for t in params):
-        raise AdapterError(f"{path / CONFIG}: target_parameters must be a list of parameter "
-                           f"names, got {params!r}")
     for p in params:
         leaf = p.removesuffix(".weight").rsplit(".", 1)[-1]
         if leaf not in BY_NAME:
@@ -296,6 +305,25 @@ def _targets(cfg: dict, path: Path) -> set[str] | None:
     if cfg.get("ensure_weight_tying") and names & {"embed_tokens", "lm_head"}:
         names |= {"embed_tokens", "lm_head"}
     return names
+
+
+def _target_parameters(cfg: dict, path: Path) -> list[str]:
+    params = cfg.get("target_parameters") or []
+    if not isinstance(params, list) or not all(isinstance(t, str) for t in params):
+        raise AdapterError(f"{path / CONFIG}: target_parameters must be a list of parameter "
+                           f"names, got {params!r}")
+    return params
+
+
+def _pattern_name(mk: ModuleKey, params: list[str]) -> str:
+    """The name PEFT matches rank_pattern / alpha_pattern keys against: the module's path, or
+    for a module whose weight ``target_parameters`` names, the parameter's
+    (``model.layers.0.mlp.up_proj.weight``, which a key ``up_proj`` does not match)."""
+    path = module_path(*mk)
+    param = f"{path}.weight"
+    if any(param == p or param.endswith(f".{p}") for p in params):
+        return param
+    return path
 
 
 def _target_names(raw, path: Path) -> set[str] | None:
@@ -334,12 +362,23 @@ def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
         return (layer, target), ab
     m = _TOP_KEY.match(key)
     if m:
-        return (None, m.group(1)), m.group(2)
+        return (None, m.group(1)), m.group(3)
     if key.endswith(".bias"):
         raise AdapterError(f"{path / WEIGHTS}: key {key!r} is a bias; LoRA biases are not "
                            "supported (retrain with bias='none' and lora_bias=False)")
     raise AdapterError(f"{path / WEIGHTS}: unrecognised key {key!r} (not a LoRA weight of a "
                        "Llama module)")
+
+
+def _embedding_layout(key: str, mk: ModuleKey, ab: str, t: torch.Tensor
+                      ) -> tuple[str, torch.Tensor]:
+    """``(ab, t)`` in PEFT's embedding layout (lora_embedding_A [r, vocab], lora_embedding_B
+    [hidden, r]). An embed_tokens weight targeted through ``target_parameters`` is saved as
+    ``lora_A.weight`` [r, hidden] and ``lora_B.weight`` [vocab, r], a delta ``B @ A`` on the
+    [vocab, hidden] weight: the same term with A and B swapped and transposed."""
+    if mk != (None, "embed_tokens") or _TOP_KEY.match(key).group(2):
+        return ab, t
+    return {"A": "B", "B": "A"}[ab], t.t() if t.dim() == 2 else t
 
 
 def _once(seen: dict, what, key: str, path: Path) -> None:
