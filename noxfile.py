@@ -4,13 +4,15 @@
 Every session but ``lint`` runs in one shared environment, ``.nox/shared``, created on first
 use and reinstalled only when ``pyproject.toml`` changes (torch is large: one copy, not one
 per session). ``TORCH_INDEX_URL`` installs torch from that index first, e.g. the CPU-only
-build: ``TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu nox -s tests``.
+build: ``TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu nox -s tests``; a value other
+than the one the environment was made with recreates it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,12 +29,19 @@ def _python(session: nox.Session) -> str:
     py = SHARED / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     stamp = SHARED / "installed-from.sha256"
     want = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest()
+    index = os.environ.get("TORCH_INDEX_URL", "")
+    if py.exists() and _index_changed(_torch_index(SHARED), index):
+        # pip keeps an installed torch whatever the index: only a new environment switches.
+        came = _torch_index(SHARED) or "(unset or unknown)"
+        session.log(f"TORCH_INDEX_URL is now {index or '(unset)'!r}, the shared environment's "
+                    f"torch came from {came!r}: recreating it")
+        shutil.rmtree(SHARED)
     if not py.exists():
         session.log(f"creating the shared environment {SHARED}")
         session.run(sys.executable, "-m", "venv", str(SHARED))
         session.run(str(py), "-m", "pip", "install", "--upgrade", "pip")
     if not stamp.exists() or stamp.read_text() != want:
-        index = os.environ.get("TORCH_INDEX_URL")
+        (SHARED / "torch-index-url").write_text(index)
         # torch first, so that its own triton pin picks triton: resolving the project's
         # `triton>=3.1` first fetched the newest triton (3.9.0, 286 MB) before pip read
         # torch's `triton~=3.8.0`, which then rejected it.
@@ -43,6 +52,18 @@ def _python(session: nox.Session) -> str:
         session.run(str(py), "-m", "pip", "install", "--progress-bar", "on", "-e", ".[test]")
         stamp.write_text(want)
     return str(py)
+
+
+def _torch_index(env: Path) -> str | None:
+    """The TORCH_INDEX_URL ``env``'s torch was installed from ("": PyPI; None: not recorded,
+    an environment made before it was)."""
+    f = env / "torch-index-url"
+    return f.read_text() if f.exists() else None
+
+
+def _index_changed(recorded: str | None, wanted: str) -> bool:
+    """An environment of unknown origin is kept unless an index is asked for."""
+    return recorded != wanted if recorded is not None else wanted != ""
 
 
 @nox.session(venv_backend="none")
