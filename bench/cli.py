@@ -27,7 +27,7 @@ import torch
 
 import kernels  # noqa: F401  (selects the Triton interpreter on CPU before kernels load)
 from bench import case as case_mod
-from bench import hardware, provenance, results, table
+from bench import hardware, provenance, results, table, timing
 from bench.context import Context
 from bench.profiles import PROFILES
 from bench.progress import Progress
@@ -110,8 +110,7 @@ def main(argv=None) -> int:
     if not tele.available:
         print(f"telemetry: off ({tele.reason}); rows carry telemetry: null")
     if device.type == "cpu":
-        print("NOTE: CPU times are wall clock of the Triton interpreter and Python; they prove "
-              "the pipeline runs end to end and mean nothing as performance figures.")
+        print(timing.CPU_NOTE)
     ctx = Context(device, ceil, PROFILES[profile].reps, profile, tele)
     summary = []
     for name, cases in todo.items():

@@ -164,8 +164,11 @@ def kernel_headline(rows: list[dict]) -> str:
         if r.get("stats") and r["verification"]["status"] != "failed":
             top[key(r)] = max(top.get(key(r), (0, 0)), (r["adapters"], r["rank"]))
     head = [r for r in rows if top.get(key(r)) == (r["adapters"], r["rank"])]
-    return (_table(*table.kernel_cells(head))
-            + f"<details><summary>all {len({results.case_id(r) for r in rows})} kernel cases"
+    n = len({results.case_id(r) for r in rows})
+    shown = (_table(*table.kernel_cells(head)) if head else
+             f'<p class="bad">None of the {n} kernel cases was timed and verified: see '
+             "Failed cases.</p>")
+    return (shown + f"<details><summary>all {n} kernel cases"
             f"</summary>{_table(*table.kernel_cells(rows))}</details>")
 
 

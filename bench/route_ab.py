@@ -35,7 +35,7 @@ from bench.args import int_list, positive, torch_device, torch_dtype
 from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.table import render
-from bench.timing import bench_time
+from bench.timing import CPU_NOTE, bench_time
 from lora_runtime.lora.backends import BACKENDS
 from lora_runtime.model.config import PRESETS
 
@@ -252,6 +252,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+        print(CPU_NOTE, file=sys.stderr)  # stdout may be --json lines
     rows = run(args)
     print("\n".join(json.dumps(r) for r in rows) if args.json else table(rows))
     return 0

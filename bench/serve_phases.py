@@ -30,6 +30,7 @@ from bench import throughput_bench
 from bench.args import positive, torch_device
 from bench.profiles import throughput_cases
 from bench.table import render
+from bench.timing import CPU_NOTE
 from graphs import replayable, static_batch
 from lora_runtime.engine import engine as engine_module
 from lora_runtime.engine import scheduler as scheduler_module
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         case_and_spec(a.adapters, a.popularity, a.device)
     except ValueError as e:
         p.error(f"--adapters {a.adapters} --popularity {a.popularity}: {e}")
+    if torch.device(a.device).type == "cpu":
+        print(CPU_NOTE, file=sys.stderr)
     result = run(a.adapters, a.popularity, a.passes, a.device)
     print(table(result))
     return 0

@@ -13,6 +13,9 @@ import torch
 
 from graphs.replayable import capture_cuda_graph
 
+CPU_NOTE = ("NOTE: CPU times are wall clock of the Triton interpreter and Python; they prove "
+            "the pipeline runs end to end and mean nothing as performance figures.")
+
 
 @dataclass
 class Timing:

@@ -57,6 +57,18 @@ def test_the_kernel_headline_skips_a_failed_top_case(tmp_path):
     assert failed.count("<tr><td>kernels qkv_proj T=16 adapters=4") == 1, "one line a case"
 
 
+def test_a_kernel_headline_with_no_case_passed_says_so(tmp_path):
+    data = [r | {"stats": None, "verification": {"status": "failed", "error": "bad"}}
+            if r["suite"] == "kernels" else r for r in rows()]
+    page = report.write_report([_result(tmp_path / "k.json", data)], [],
+                               tmp_path / "r.html").read_text()
+    head = page.split("Headline: kernels")[1].split("<details>")[0]
+    n = len({(r["module"], r["tokens"], r["adapters"], r["rank"]) for r in data
+             if r["suite"] == "kernels"})
+    assert f"None of the {n} kernel cases was timed and verified" in head
+    assert "<table" not in head, "no empty headline table"
+
+
 def test_a_profile_session_s_rows_never_win(tmp_path, monkeypatch):
     runs = tmp_path / "results" / "runs"
     real = _result(runs / "20260101-000000-cpu" / "k.json", rows())

@@ -72,6 +72,13 @@ def test_an_ab_run_captures_each_variant_under_its_knobs(monkeypatch):
     assert "adds % of base" in route_ab.table(rows)
 
 
+def test_a_cpu_run_says_its_times_mean_nothing_off_stdout(monkeypatch, capsys):
+    monkeypatch.setattr(route_ab, "run", lambda args: [])
+    assert route_ab.main(["--device", "cpu", "--json", "--variant", "a"]) == 0
+    out, err = capsys.readouterr()
+    assert "mean nothing as performance figures" in err and out.strip() == ""
+
+
 def test_a_variant_that_does_not_fit_names_the_fix(monkeypatch):
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.54 GiB")
