@@ -19,7 +19,7 @@ from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from lora_runtime.engine.metrics import StepRecord
 from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.request_checks import check_request
+from lora_runtime.engine.request_checks import check_batch_lists, check_request
 from lora_runtime.engine.requests import (
     Request,
     build_decode,
@@ -129,21 +129,14 @@ class Engine:
                      max_new_tokens: int = 16) -> list[Request]:
         """``add_request`` for each prompt with its adapter, all or none: every request is
         checked before any is queued."""
-        if isinstance(adapters, str) or isinstance(prompts, str):
-            raise ValueError("add_requests takes a list of prompts and a list of adapter names, "
-                             f"one a prompt; got {type(prompts).__name__} prompts and "
-                             f"{type(adapters).__name__} adapters (for one adapter: "
-                             "[name] * len(prompts))")
-        if len(prompts) != len(adapters):
-            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters: pass one "
-                             "adapter (or None) a prompt")
+        check_batch_lists(prompts, adapters)
         reqs = [self._checked(p, a, max_new_tokens, ())
                 for p, a in zip(prompts, adapters, strict=True)]
         return [self._queue(r) for r in reqs]
 
     def _checked(self, prompt_ids, adapter, max_new_tokens, stop_ids) -> Request:
         req = Request(id_sequence("prompt_ids", prompt_ids), adapter, max_new_tokens,
-                      tuple(id_sequence("stop_ids", stop_ids)))
+                      tuple(id_sequence("stop_ids", stop_ids, ordered=False)))
         check_request(req, self.runner.model.config, self.kv.max_tokens, self.config,
                       self.lora)
         return req
@@ -210,6 +203,9 @@ class Engine:
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         lora = self._manager("pin_adapter")
+        if not isinstance(pinned, bool):  # "no" or 0.0 would pin or unpin by truthiness
+            raise ValueError(f"pin_adapter({name!r}, pinned={pinned!r}): pinned must be True "
+                             "or False")
         if name not in lora.adapters:  # before the slot count, which would name the wrong fix
             raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(lora.adapters)}); "
                            "load it with Engine.load_adapter first")

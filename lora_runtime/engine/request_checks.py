@@ -3,6 +3,7 @@ changes nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,3 +60,21 @@ def check_request(req: Request, model: LlamaConfig, kv_tokens: int, scheduler: S
             f"the prompt has {len(req.prompt)} tokens but a step takes at most "
             f"{scheduler.max_step_tokens} and chunked prefill is off. Enable "
             "SchedulerConfig.chunked_prefill or raise max_step_tokens")
+
+
+def check_batch_lists(prompts, adapters) -> None:
+    """Raises ValueError naming the fix where ``add_requests`` is not given a list of prompts
+    and a list of adapters, one a prompt (a string would be read one adapter a letter; None,
+    meant as the base model for all, or a generator failed on ``len`` naming neither)."""
+    if not all(isinstance(x, Sized) and not isinstance(x, (str, bytes))
+               for x in (prompts, adapters)):
+        fix = ("for the base model: [None] * len(prompts)" if adapters is None else
+               "for one adapter: [name] * len(prompts)" if isinstance(adapters, str) else
+               "for one prompt: add_request" if isinstance(prompts, (str, bytes)) else
+               "pass lists, e.g. list(prompts)")
+        raise ValueError("add_requests takes a list of prompts and a list of adapter names, "
+                         f"one a prompt; got {type(prompts).__name__} prompts and "
+                         f"{type(adapters).__name__} adapters ({fix})")
+    if len(prompts) != len(adapters):
+        raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters: pass one "
+                         "adapter (or None) a prompt")

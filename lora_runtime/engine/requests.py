@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,11 +35,13 @@ def int_ids(label: str, ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-def id_sequence(label: str, ids) -> list:
+def id_sequence(label: str, ids, ordered: bool = True) -> list:
     """``ids`` as a list, where it is a sequence of ids; ValueError naming ``label`` where it
     is not one (an int, None, a string: ``list("12")`` would read characters). A 1-D tensor or
     array (a tokenizer's ``input_ids[0]``) gives its values (``list()`` of a tensor gave 0-d
-    tensors, refused as 'not integers'); one of another rank (a batch) is refused."""
+    tensors, refused as 'not integers'); one of another rank (a batch) is refused. With
+    ``ordered`` a set or a mapping is refused too: its order is not the ids' (a prompt
+    ``{5, 1, 3}`` was served as [1, 3, 5])."""
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         if ids.ndim != 1:
             fix = ("pass a list of ids ([id] for one)" if ids.ndim == 0 else
@@ -49,6 +52,9 @@ def id_sequence(label: str, ids) -> list:
         return ids.tolist()
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"{label} must be a sequence of token ids, got {ids!r}")
+    if ordered and isinstance(ids, (AbstractSet, Mapping)):
+        raise ValueError(f"{label} must be an ordered sequence of token ids, got a "
+                         f"{type(ids).__name__}, whose order is not the ids': pass a list")
     return list(ids)
 
 

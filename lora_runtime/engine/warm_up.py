@@ -90,6 +90,9 @@ def check_warm_up(engine: Engine, adapters: Sequence[str | None] | None
     if engine.has_work:
         raise RuntimeError("warm_up runs before serving, but the engine has requests; "
                            "call it right after loading the adapters")
+    if isinstance(adapters, str):  # would be read one adapter a letter
+        raise ValueError(f"warm_up takes a list of adapter names (None: the base model), got "
+                         f"the string {adapters!r}: pass [{adapters!r}]")
     if adapters is None:
         slots = engine.lora.config.max_loras_per_batch if engine.lora is not None else 0
         pinned = set(engine.lora.pool.pinned) if engine.lora is not None else set()
