@@ -26,6 +26,17 @@ class LoRAConfig:
         if isinstance(self.target_modules, str):  # read letter by letter
             raise ValueError(f"LoRAConfig.target_modules must be a tuple of module names, got "
                              f"{self.target_modules!r}; write ({self.target_modules!r},)")
+        try:
+            # Kept as a tuple: a list changed after the manager wrapped the model let adapters
+            # for unwrapped modules past validation (a KeyError deep in the load), and a
+            # generator, used up by the check below, left a runtime with no LoRA layers.
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        except TypeError as e:
+            raise ValueError(f"LoRAConfig.target_modules must be a tuple of module names, got "
+                             f"{self.target_modules!r}") from e
+        if not all(isinstance(t, str) for t in self.target_modules):
+            raise ValueError(f"LoRAConfig.target_modules must be a tuple of module names "
+                             f"(str), got {self.target_modules!r}")
         unknown = set(self.target_modules) - set(BY_NAME)
         if unknown:
             raise ValueError(f"LoRAConfig.target_modules: unknown target modules "

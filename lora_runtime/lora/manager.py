@@ -174,6 +174,9 @@ class LoRAManager:
                                "requests will (adapter=None serves the base model)")
         if name in self.adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
+        if not isinstance(pinned, bool):  # "no" or "false" pinned it by truthiness
+            raise AdapterError(f"adapter {name!r}: pinned must be True or False, got "
+                               f"{pinned!r}")
         if not isinstance(source, str | os.PathLike | LoRAAdapter):
             raise AdapterError(f"adapter {name!r}: source must be a PEFT adapter folder (a str "
                                f"or Path) or a LoRAAdapter, got {type(source).__name__} (a PEFT "
@@ -245,6 +248,9 @@ class LoRAManager:
         del self.adapters[name], self.images[name], self.fingerprints[name]
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        if not isinstance(pinned, bool):  # "no" or 0.0 would pin or unpin by truthiness
+            raise ValueError(f"pin_adapter({name!r}, pinned={pinned!r}): pinned must be True "
+                             "or False")
         if name not in self.adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
         if pinned:
