@@ -89,11 +89,20 @@ class Engine:
         but a stop token can change it (``_plan_ahead``), so the host prepares step n+1
         while the device runs step n."""
         self.runner, self.lora, self.kv = runner, runner.lora, runner.kv
+        if config is not None and not isinstance(config, SchedulerConfig):
+            # Engine(runner, graphs) was built, and its first add_request raised "'list' object
+            # has no attribute 'chunked_prefill'".
+            raise TypeError(f"Engine: config must be a SchedulerConfig (or None for the "
+                            f"defaults), got {type(config).__name__} {config!r:.80}; pass "
+                            "graph runners as graphs=[...]")
+        for what, flag in (("keep_logits", keep_logits), ("overlap", overlap)):
+            if not isinstance(flag, bool):  # overlap="no" launched steps ahead
+                raise TypeError(f"Engine: {what} must be True or False, got {flag!r:.80}")
         self.config = config or SchedulerConfig()
         self.graphs = list(graphs)
         _check_graphs(self.graphs, runner)
         self.keep_logits = keep_logits
-        self._overlap = bool(overlap)
+        self._overlap = overlap
         self._inflight: LaunchedStep | None = None
         self._undelivered: list[tuple[Request, int]] = []
         """Tokens of a step finished while the step launched ahead of it raised: in the
@@ -190,6 +199,7 @@ class Engine:
         """Loads an adapter while requests run. A pinned one takes a slot for good, so it is
         refused when the running requests' adapters would no longer fit beside it."""
         lora = self._manager("load_adapter")
+        _check_flag(f"load_adapter({name!r}, pinned={pinned!r})", pinned)  # "no" pinned it
         # Loaded (and so checked) before the slot count: a refused adapter was blamed on the
         # pins ("unpin one"), after which it failed again on its own fault.
         lora.load_adapter(name, source)
@@ -203,9 +213,8 @@ class Engine:
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         lora = self._manager("pin_adapter")
-        if not isinstance(pinned, bool):  # "no" or 0.0 would pin or unpin by truthiness
-            raise ValueError(f"pin_adapter({name!r}, pinned={pinned!r}): pinned must be True "
-                             "or False")
+        _check_name("pin_adapter", name)
+        _check_flag(f"pin_adapter({name!r}, pinned={pinned!r})", pinned)
         if name not in lora.adapters:  # before the slot count, which would name the wrong fix
             raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(lora.adapters)}); "
                            "load it with Engine.load_adapter first")
@@ -216,6 +225,7 @@ class Engine:
     def unload_adapter(self, name: str) -> None:
         """Refused while a waiting or running request uses it."""
         lora = self._manager("unload_adapter")
+        _check_name("unload_adapter", name)
         users = [r.id for r in (*self.scheduler.waiting, *self.scheduler.running)
                  if r.adapter == name]
         if users:
@@ -458,6 +468,7 @@ class Engine:
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Steps until every request is done (or ``max_steps``); returns the finished ones."""
+        check_max_steps(max_steps)
         for _ in range(max_steps) if max_steps is not None else itertools.count():
             if not self.has_work:
                 break
@@ -587,6 +598,27 @@ def _check_graphs(graphs: Sequence[GraphReplayer], runner: ModelRunner) -> None:
         if g.runner is not runner:
             raise ValueError(f"graphs[{i}] was built on another ModelRunner than the engine's; "
                              "build each GraphRunner from the runner passed to the engine")
+
+
+def _check_flag(call: str, flag) -> None:
+    """A pin flag must be a bool: "no" or 1 pinned by truthiness, 0.0 or None unpinned."""
+    if not isinstance(flag, bool):
+        raise ValueError(f"{call}: pinned must be True or False")
+
+
+def _check_name(call: str, name) -> None:
+    """An adapter call's name must be a string (a list raised "unhashable type: 'list'")."""
+    if not isinstance(name, str):
+        raise ValueError(f"Engine.{call} takes an adapter's name (str), got "
+                         f"{type(name).__name__} {name!r:.80}")
+
+
+def check_max_steps(max_steps) -> None:
+    """``run``'s step bound: -1 ran nothing, 2.5 raised Python's "'float' object cannot be
+    interpreted as an integer", True ran one step."""
+    if max_steps is not None and (not is_int(max_steps) or max_steps < 0):
+        raise ValueError(f"run(max_steps={max_steps!r}): max_steps must be an integer >= 0, "
+                         "or None to run until every request is done")
 
 
 def _replayed_as(replayed: GraphReplayer | None) -> tuple[str, int] | None:

@@ -3,7 +3,8 @@ changes nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Mapping, Sized
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -75,6 +76,14 @@ def check_batch_lists(prompts, adapters) -> None:
         raise ValueError("add_requests takes a list of prompts and a list of adapter names, "
                          f"one a prompt; got {type(prompts).__name__} prompts and "
                          f"{type(adapters).__name__} adapters ({fix})")
+    for what, x in (("prompts", prompts), ("adapters", adapters)):
+        # Paired by position: a set's order is not the caller's (adapters {None, "sql"} gave
+        # the first prompt whichever the set iterated first), a mapping's items are its keys.
+        if isinstance(x, (AbstractSet, Mapping)):
+            raise ValueError(f"{what} is a {type(x).__name__}: add_requests pairs prompts with "
+                             f"adapters by position, and a {type(x).__name__}'s order is not "
+                             "the one they were given in: pass a list (of a dict's values: "
+                             "list(d.values()))")
     if len(prompts) != len(adapters):
         raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters: pass one "
                          "adapter (or None) a prompt")

@@ -74,7 +74,9 @@ def warm_up_phases(max_step_tokens: int, max_batch_size: int, kv_tokens: int,
         k = min(t, max(len(cycle), -(-t // cap)), max_batch_size)
         lens = [t // k + (1 if i < t % k else 0) for i in range(k)]
         phases.append([WarmUpRequest(n, 1, cycle[i % len(cycle)]) for i, n in enumerate(lens)])
-    for n in ladder(min(max_batch_size, kv_tokens // 2)):
+    # A decode step needs a position after the prompt: a model of one position has none
+    # (its requests hold one token: prompt 1, max_new_tokens 1).
+    for n in ladder(min(max_batch_size, kv_tokens // 2) if cap >= 2 else 0):
         prompt = max(1, min(BATCH_PROMPT, kv_tokens // n - 1, max_step_tokens, cap - 1))
         phases.append([WarmUpRequest(prompt, 2, cycle[i % len(cycle)]) for i in range(n)])
     return phases
