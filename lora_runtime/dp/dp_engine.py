@@ -26,7 +26,13 @@ from lora_runtime.dp.agreement import (
     pool_digest,
 )
 from lora_runtime.dp.group import DPGroup, mark_fault
-from lora_runtime.engine.engine import Engine, GraphReplayer, LaunchedStep, ends_by_length
+from lora_runtime.engine.engine import (
+    Engine,
+    GraphReplayer,
+    LaunchedStep,
+    check_max_steps,
+    ends_by_length,
+)
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.engine.requests import Request
@@ -68,6 +74,7 @@ class DPEngine(Engine):
         """Agreed steps in a row where no rank ran rows but some rank had requests."""
         self._known: set[str] = set()
         self._steps = 0
+        """Step agreements made (the same count on every rank): rotates the free slots' shares."""
         self._agreed: StepAgreement | None = None
         """The agreement of the step being launched (``forward`` runs what it decided)."""
         self._fault: str | None = None
@@ -79,12 +86,23 @@ class DPEngine(Engine):
         """Refused on every rank while a request of any rank uses it (one host all-gather)."""
         self._manager("unload_adapter")
         self._check_in_step()
+        self._finish_inflight()
         mine = any(r.adapter == name for r in (*self.scheduler.waiting, *self.scheduler.running))
         users = self.host.ranks_with(mine, "unload_adapter")
         if users:
             raise ValueError(f"adapter {name!r} is used by requests of ranks {users}; unload it "
                              "(on every rank) once they finish")
         super().unload_adapter(name)
+
+    def _finish_inflight(self) -> None:
+        """Reads the step launched ahead (overlap) before a control call's collective; its
+        tokens come first in the next ``step()``. A peer that meets this call in ``step()``
+        instead (diverging calls) finishes its own step in flight when that call raises, so
+        the ranks leave it alike: kept here, this rank's next ``step()`` ran one agreement
+        fewer than the peers' and every later control call met a step agreement again."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None:
+            self._undelivered += self._finish(cur)
 
     def _adapters_in_use(self) -> set[str]:
         """Every rank's running adapters as of the last agreement (the same on every rank, so
@@ -118,6 +136,7 @@ class DPEngine(Engine):
         """``Engine.warm_up`` on every rank, or on none: a rank that refuses it (requests
         queued, an adapter not loaded) makes every rank raise before any warm-up step."""
         self._check_in_step()
+        self._finish_inflight()
         try:
             check_warm_up(self, adapters)
             error = None
@@ -132,7 +151,8 @@ class DPEngine(Engine):
         return super().warm_up(adapters)
 
     def run(self, max_steps: int | None = None) -> list[Request]:
-        """Steps until no rank has work (every rank must call it)."""
+        """Steps until no rank has work (every rank must call it, with the same bound)."""
+        check_max_steps(max_steps)  # -1 ran one step, 2.5 three
         n = 0
         while max_steps is None or n < max_steps:
             self.step()
@@ -203,6 +223,7 @@ class DPEngine(Engine):
         with phase("collective"):
             ag = self.host.agree(self._rank_step(plan, batch, names, ahead))
         self.last = ag  # ``agree`` checked that every rank loaded ``names``
+        self._steps += 1  # agreed on every rank alike (``_share_free_slots``)
         self._known = {names[i] for i in ag.running_adapters}
         if ag.mode is ForwardMode.IDLE:
             self._check_progress(ag)
@@ -314,8 +335,10 @@ class DPEngine(Engine):
             return
         known = self._known | set(self.lora.pool.pinned)
         free = max(0, self.scheduler.num_slots - len(known))
+        # Agreed steps, not calls: a step whose agreement raised (on every rank) counted on
+        # the ranks that were in step() only (a peer in another call raised without one), and
+        # the quotas' rotation drifted apart, two ranks taking the remainder slot at once.
         turn = (self.dp.rank - self._steps) % self.dp.size
-        self._steps += 1
         quota = free // self.dp.size + (1 if turn < free % self.dp.size else 0)
         starved = [0] if self.last is None else [r.starved for r in self.last.ranks]
         first = max(range(len(starved)), key=lambda r: (starved[r], -r))

@@ -31,6 +31,12 @@ _wait_s = DEFAULT_TIMEOUT_S
 """The last ``init_dp``'s timeout: ``shutdown`` waits for the other ranks that long at most."""
 _store_exchanges = 0
 """``exchange_through_store`` calls since ``init_dp`` (their number names their keys)."""
+_joins = 0
+"""``init_dp`` calls in this process (every rank makes as many): the store's keys name it, as
+``init_dp`` restarts ``_store_exchanges``. A second ``init_dp`` in the same world (no
+``shutdown`` between: the same epoch and store) once reused the first one's keys, and a
+rank's set-up check read a peer's earlier answer at once instead of waiting for its new one
+(a DPEngine built with other settings on that peer passed the check on this rank)."""
 
 
 def _current_epoch() -> int:
@@ -95,7 +101,7 @@ def exchange_through_store(dp: DPGroup, what: str, value: str) -> list[str]:
     n, _store_exchanges = _store_exchanges, _store_exchanges + 1
     store = dist.distributed_c10d._get_default_store()
     # The epoch: a store may outlive a world (one the caller made) and hold its keys.
-    keys = [f"dp_exchange/{_epoch}/{n}/{r}" for r in range(dp.size)]
+    keys = [f"dp_exchange/{_epoch}/{_joins}/{n}/{r}" for r in range(dp.size)]
     store.set(keys[dp.rank], value)
     try:
         store.wait(keys, datetime.timedelta(seconds=dp.timeout_s))
@@ -123,7 +129,7 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     """Joins the group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT). GPUs: rank r uses cuda:LOCAL_RANK. The collectives' timeout: DP_TIMEOUT_S
     where set, else ``timeout_s``, else ``DEFAULT_TIMEOUT_S``."""
-    global _wait_s, _store_exchanges
+    global _wait_s, _store_exchanges, _joins
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: launch the ranks with torchrun or "
@@ -140,7 +146,7 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
         dist.init_process_group(backend, timeout=timeout, **kwargs)
         group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else group
-    _wait_s, _store_exchanges = timeout_s, 0
+    _wait_s, _store_exchanges, _joins = timeout_s, 0, _joins + 1
     return DPGroup(dist.get_rank(), dist.get_world_size(), group, cpu_group, timeout_s)
 
 
