@@ -33,6 +33,7 @@ from bench.profiles import PROFILES
 from bench.progress import Progress
 from bench.suites import SUITES
 from bench.telemetry import Telemetry
+from kernels.config import interpreted
 from lora_runtime.nvtx import nvtx_range
 
 RESULTS = provenance.ROOT / "results"
@@ -90,6 +91,11 @@ def main(argv=None) -> int:
         return 0
     if PROFILES[profile].cuda and not cuda:
         raise SystemExit(f"profile {profile!r} needs a CUDA device; use --profile cpu")
+    if not PROFILES[profile].cuda and cuda and not interpreted():
+        # Triton would compile the CPU profile's kernels for the GPU and DP ranks take NCCL.
+        raise SystemExit(f"profile {profile!r} runs on the CPU: on a machine with a GPU, run "
+                         "it as python -m bench --profile cpu (which hides the GPUs) or set "
+                         "CUDA_VISIBLE_DEVICES='' TRITON_INTERPRET=1 before starting Python")
     device = torch.device("cuda" if PROFILES[profile].cuda else "cpu")
     command = ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]
     run = provenance.collect(device, command) | {"profile": profile, "suite_seconds": {}}

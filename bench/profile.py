@@ -6,11 +6,16 @@ ui.perfetto.dev) and a table of each range's kernels (GPU) or top-level ops (CPU
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # before torch sees a GPU and Triton decorates a kernel
+    from bench import cpu_only
+    cpu_only.select(sys.argv[1:])
+
 import argparse
 import datetime
 import shutil
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
