@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -287,7 +288,7 @@ def _idle_forward_us(eng, graph, variant: str, dp, device, reps: int = 50) -> fl
             torch.cuda.synchronize()
         if i >= 5:
             samples.append((time.perf_counter() - t0) * 1e6)
-    return sorted(samples)[len(samples) // 2]
+    return statistics.median(samples)
 
 
 def _run_record(argv: list[str] | None) -> dict:
