@@ -40,6 +40,7 @@ def programs_wanted(device: torch.device) -> int:
     return 4 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
 def rank_block(max_rank: int) -> int:
     return max(16, next_pow2(max_rank))
 

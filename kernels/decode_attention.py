@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.fast_launch import launch
 from kernels.traced_op import traced_op
 
 TILES = (64, 4, 2)
@@ -130,7 +131,7 @@ def _decode_attention_op(
         part = torch.empty(bs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
     block_d = max(16, config.next_pow2(head_dim))
-    _decode_partial_kernel[(bs, kv_heads, splits)](
+    launch(_decode_partial_kernel, (bs, kv_heads, splits),
         q, k_cache, v_cache, kv_indices, kv_lens, part, lse,
         sm_scale * 1.4426950408889634, group, head_dim, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -142,7 +143,7 @@ def _decode_attention_op(
     )
     if splits == 1:
         return out
-    _decode_merge_kernel[(bs, heads)](
+    launch(_decode_merge_kernel, (bs, heads),
         part, lse, kv_lens, out, head_dim, splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),

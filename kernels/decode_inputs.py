@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check
+from kernels.fast_launch import launch
 
 
 # The batch's size and table width change every step: specialising on them would compile
@@ -67,7 +68,7 @@ def write_decode_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, 
         src, width = dst, 0  # never read: every row is padding
     if bucket == 0:
         return
-    _write_decode_inputs_kernel[(bucket,)](
+    launch(_write_decode_inputs_kernel, (bucket,),
         src[0], src[1], src[2], src[3], src[4], src[4].stride(0), width, n,
         ids, pos, loc, lens, table, table.stride(0), max_context,
         SCRATCH=scratch, BLOCK=min(1024, triton.next_power_of_2(max_context)),

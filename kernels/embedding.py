@@ -18,6 +18,7 @@ import triton.language as tl
 from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_layout, check_weight_tables
+from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -74,7 +75,7 @@ def _gather(token_ids, lora_a, ranks, permutation, block_slots, block_starts, bl
     out = torch.empty(t, max_rank, dtype=torch.float32, device=token_ids.device)
     if t == 0 or block_slots.shape[0] == 0:
         return out
-    _embedding_gather_kernel[(block_slots.shape[0],)](
+    launch(_embedding_gather_kernel, (block_slots.shape[0],),
         token_ids, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
         lora_a.shape[1], *lora_a.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank),

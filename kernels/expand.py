@@ -28,6 +28,7 @@ from kernels.checks import (
     check_rows_disjoint,
     check_weight_tables,
 )
+from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -150,7 +151,7 @@ def _expand_op(
     if y.shape[0] == 0 or grid[0] == 0:
         return
     pdl = {"launch_pdl": True} if config.use_pdl(y.device) else {}
-    _expand_kernel[grid](
+    launch(_expand_kernel, grid,
         a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets,
         max_rank,

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.fast_launch import launch
 from kernels.traced_op import traced_op
 
 TILES = (64, 64, 4, 2)
@@ -126,7 +127,7 @@ def _extend_attention_op(
     if t == 0 or requests == 0:
         return out
     grid = (config.cdiv(t, block_m) + requests, heads)
-    _extend_kernel[grid](
+    launch(_extend_kernel, grid,
         q, k_cache, v_cache, out, kv_indices, q_starts, kv_starts,
         requests, sm_scale * 1.4426950408889634, heads // k_cache.shape[1], head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

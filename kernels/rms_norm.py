@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
 from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
@@ -137,7 +138,7 @@ def _launch(x, residual, delta, weight, eps, out, summed) -> None:
     block = config.next_pow2(x.shape[1])
     res, s = (residual, summed) if residual is not None else (x, out)
     d = delta if delta is not None else x
-    _rms_norm_kernel[(x.shape[0],)](
+    launch(_rms_norm_kernel, (x.shape[0],),
         x, res, d, weight, out, s, x.shape[1], eps, x.stride(0), res.stride(0), d.stride(0),
         out.stride(0), s.stride(0), HAS_RES=residual is not None, HAS_DELTA=delta is not None,
         BLOCK=block, num_warps=min(16, max(1, block // 512)))
@@ -184,7 +185,7 @@ def _add_rms_norm_lora_op(
         per_step = config.ROW_SHRINK_ELEMENTS // BLOCK_R if SHRINK else config.row_block_n(
             BLOCK_R)
         block = min(max(per_step, 32), config.next_pow2(x.shape[1]))
-        _add_rms_norm_lora_kernel[(x.shape[0],)](
+        launch(_add_rms_norm_lora_kernel, (x.shape[0],),
             x, residual, weight, out, summed, x.shape[1], eps, x.stride(0), residual.stride(0),
             out.stride(0), summed.stride(0), slots, src, la, b, ranks, scalings, max_rank, K,
             s_s0, s_s1, s_as, s_ar, s_ak, s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES,

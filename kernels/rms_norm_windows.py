@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
+from kernels.fast_launch import launch
 from kernels.lora_epilogue import FUSE_BLOCK_M, block_a, block_shrink, lora_delta, lora_rows
 from kernels.traced_op import traced_op
 
@@ -142,7 +143,7 @@ def add_rms_norm_lora_windows_op(
         per_program = config.cdiv(tiles, groups)
         groups = config.cdiv(tiles, per_program)
         count, part = _scratch_for(x.device, windows, groups * rows)
-        _add_rms_norm_lora_windows_kernel[(windows, groups)](
+        launch(_add_rms_norm_lora_windows_kernel, (windows, groups),
             x, residual, weight, out, summed, part, count, rows,
             src, b, perm, slots, ranks, scalings, la, cols, eps,
             x.stride(0), residual.stride(0), out.stride(0), summed.stride(0),

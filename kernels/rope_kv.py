@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
 from kernels.rope_kv_windows import rope_kv_lora_windows_op
 from kernels.rotary import q_out, rotate_halves
@@ -234,7 +235,7 @@ def _rope_kv_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
         d = delta if delta is not None else qkv
-        _rope_kv_kernel[(t,)](
+        launch(_rope_kv_kernel, (t,),
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, d, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             d.stride(0), HAS_DELTA=delta is not None, BLOCK_H=config.next_pow2(heads),
@@ -261,7 +262,7 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if t:
         group = config.rope_heads_per_program(t, heads, kv_heads) if SHRINK else 1
         grid = (t, config.cdiv(heads, group) + config.cdiv(kv_heads, group))
-        _rope_kv_lora_kernel[grid](
+        launch(_rope_kv_lora_kernel, grid,
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
+from kernels.fast_launch import launch
 from kernels.lora_epilogue import FUSE_BLOCK_M, lora_rows
 from kernels.rotary import q_out, rotate_halves
 from kernels.traced_op import traced_op
@@ -186,7 +187,7 @@ def rope_kv_lora_windows_op(
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
         grid = (config.cdiv(t, FUSE_BLOCK_M), heads + kv_heads)
-        _rope_kv_lora_windows_kernel[grid](
+        launch(_rope_kv_lora_windows_kernel, grid,
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, t,
             src, b, perm, slots, ranks, scalings, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),

@@ -18,6 +18,7 @@ import triton.language as tl
 from kernels import config
 from kernels.block_rows import load_block
 from kernels.checks import check, check_dtype, check_layout, check_weight_tables
+from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
 from kernels.weights import LoRAWeights
@@ -94,7 +95,7 @@ def _shrink_op(
     if t == 0 or grid[0] == 0:
         return out
     block_r = config.rank_block(max_rank)
-    _shrink_kernel[grid](
+    launch(_shrink_kernel, grid,
         x, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
         k, max_rank, k_per_split,
         *x.stride(),

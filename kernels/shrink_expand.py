@@ -25,6 +25,7 @@ from kernels.expand import (
     launch_shape,
     load_b_tile,
 )
+from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args, shrink_rows
 from kernels.traced_op import traced_op
@@ -77,7 +78,7 @@ def _shrink_expand_op(
           "program recomputes x's shrink while others add into y. Add in place with "
           "lora_expand(lora_shrink(x, ...), ..., y, ...), or pass a y of its own")
     max_rank = lora_b.shape[2]
-    _shrink_expand_kernel[grid](
+    launch(_shrink_expand_kernel, grid,
         x, lora_a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets, *x.stride(), *y.stride(), x.shape[1], max_rank,
         *lora_a.stride(), *lora_b.stride(), slice_offsets.shape[0] - 1, block_m, block_n,

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_dtype
+from kernels.fast_launch import launch
 from kernels.lora_epilogue import (
     FUSE_BLOCK_M,
     LoRADelta,
@@ -167,7 +168,7 @@ def _silu_mul_op(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     if gate_up.shape[0]:
         block = min(BLOCK, config.next_pow2(inter))
         d = delta if delta is not None else gate_up
-        _silu_mul_kernel[(gate_up.shape[0], config.cdiv(inter, block))](
+        launch(_silu_mul_kernel, (gate_up.shape[0], config.cdiv(inter, block)),
             gate_up, d, out, inter, gate_up.stride(0), d.stride(0), out.stride(0),
             HAS_DELTA=delta is not None, BLOCK=block, num_warps=4)
     return out
@@ -197,7 +198,7 @@ def _silu_mul_lora_op(
         # A program that computes its block's shrink serves more columns with it.
         per_program = config.cdiv(tiles, config.block_shrink_groups(blocks, tiles)) if (
             SHRINK) else 1
-        _silu_mul_lora_kernel[(blocks, config.cdiv(tiles, per_program))](
+        launch(_silu_mul_lora_kernel, (blocks, config.cdiv(tiles, per_program)),
             gate_up, out, rows, src, b, perm, slots, ranks, scalings, la, inter,
             gate_up.stride(0), out.stride(0), max_rank, sentinel, s_sm, s_sr, s_bs, s_bn,
             s_br, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=block_m,
@@ -226,7 +227,7 @@ def _silu_mul_lora_rows_op(
         tiles = config.cdiv(inter, block_n)
         # A program that computes its row's shrink serves more columns with it.
         per_program = config.cdiv(tiles, config.silu_shrink_groups(rows)) if SHRINK else 1
-        _silu_mul_lora_rows_kernel[(rows, config.cdiv(tiles, per_program))](
+        launch(_silu_mul_lora_rows_kernel, (rows, config.cdiv(tiles, per_program)),
             gate_up, out, inter, gate_up.stride(0), out.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
             s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,

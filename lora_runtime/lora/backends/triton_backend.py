@@ -45,9 +45,12 @@ class TritonBackend(LoRABackend):
         return config.delta_beside(x, consumer)
 
     def one_launch(self, x, weights, rows):
-        layout = self.ready_layout(rows)
-        return layout is not None and config.one_launch_lora(
-            x, layout.block_slots.shape[0], layout.block_m, weights.max_rank)
+        def decide():
+            layout = self.ready_layout(rows)
+            return layout is not None and config.one_launch_lora(
+                x, layout.block_slots.shape[0], layout.block_m, weights.max_rank)
+
+        return self._route(("one_launch", rows, x.shape[0], weights.max_rank), decide)
 
     def shrink_expand(self, x, weights, y, layout):
         lora_shrink_expand(x, weights, y, layout)
