@@ -96,7 +96,9 @@ def test_empty_selection_is_an_error_naming_the_labels():
 
 
 @pytest.mark.parametrize("name", ["kernels-nvidia-h200.json", "model-nvidia-h200.json",
-                                  "kernels-cpu.json", "model-cpu.json"])
+                                  "kernels-cpu.json", "model-cpu.json",
+                                  "model-nvidia-h100-80gb-hbm3.json",
+                                  "throughput-nvidia-h100-80gb-hbm3.json"])
 def test_committed_files_read_as_the_current_schema(name):
     path = ROOT / "results" / name
     if not path.exists():
