@@ -41,6 +41,9 @@ class WorkloadSpec:
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.seed < 0:  # random.Random seeds an int by its absolute value
+            raise ValueError(f"seed must be >= 0, got {self.seed}: a negative seed would draw "
+                             f"the workload of seed {-self.seed}")
         if self.popularity not in POPULARITY:
             raise ValueError(f"popularity {self.popularity!r}: choose one of {POPULARITY}")
         if self.arrival not in ARRIVALS:
