@@ -301,6 +301,29 @@ def test_serve_adds_requests_at_their_arrival_times(world):
         assert r.metrics.ttft is not None and r.metrics.ttft >= 0.05 - 1e-9
 
 
+def test_serve_refuses_a_workload_it_cannot_serve_before_serving_any_of_it(world):
+    """A request the engine would refuse (here too long for the KV cache) raised at its
+    arrival, after the earlier ones had been queued: they were left in the engine, and the
+    error did not say which workload request it was."""
+    w = world
+    eng = w.engine(SchedulerConfig(max_batch_size=4))
+    wl = make_workload(WorkloadSpec(4, 5, 2, seed=1), w.config.vocab_size)
+    too_long = dataclasses.replace(wl[2], prompt=[1] * 45)
+    bad = [([*wl[:2], too_long, wl[3]], ValueError, r"workload\[2\].*nothing was served.*KV"),
+           ([*wl[:2], dataclasses.replace(wl[2], arrival=float("nan"))], ValueError,
+            r"workload\[2\]\.arrival"),
+           ([dataclasses.replace(wl[0], arrival=-1.0)], ValueError, r"workload\[0\]\.arrival"),
+           (WorkloadSpec(4, 5, 2), TypeError, "make_workload")]
+    for workload, error, words in bad:
+        with pytest.raises(error, match=words):
+            serve(eng, workload)
+        assert not eng.has_work and not eng.finished and not eng.timeline
+        assert eng.kv.free_slots == eng.kv.max_tokens
+    reqs = serve(eng, wl)
+    assert [r.id for r in reqs] == [0, 1, 2, 3], "refused workloads took no request id"
+    assert all(r.metrics.finish is not None and len(r.output) == 2 for r in reqs)
+
+
 def test_a_request_past_the_models_positions_is_refused(world, monkeypatch):
     """A request whose last position is past the rotary table would index past it (a device
     assert on a GPU): refused up front, and the warm-up keeps its own requests inside it."""

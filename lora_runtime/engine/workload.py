@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lora_runtime.checks import is_int
+from lora_runtime.checks import is_finite_number, is_int
 from lora_runtime.engine.requests import Request
 
 POPULARITY = ("none", "identical", "uniform", "zipf", "distinct")
@@ -117,8 +117,10 @@ def serve(engine, workload: list[WorkloadRequest],
           sleep: Callable[[float], None] | None = None) -> list[Request]:
     """Adds each request once its arrival time has passed on the engine's clock, stepping the
     engine meanwhile (idle until the next arrival when nothing runs). Returns the requests in
-    workload order."""
+    workload order. Every request is checked before any is queued: one the engine could never
+    serve raises ValueError naming its index, and nothing is served."""
     sleep = sleep or time.sleep
+    checked = _checked(engine, workload)
     pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     reqs: list[Request | None] = [None] * len(workload)
     t0 = engine.clock()
@@ -127,7 +129,7 @@ def serve(engine, workload: list[WorkloadRequest],
         now = engine.clock() - t0
         while k < len(pending) and workload[pending[k]].arrival <= now:
             w = workload[pending[k]]
-            req = engine.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
+            req = engine._queue(checked[pending[k]])  # engine.add_request, checked up front
             # It arrived while the last step ran: its wait for that step counts in its TTFT.
             req.metrics.arrival = t0 + w.arrival
             reqs[pending[k]] = req
@@ -137,6 +139,26 @@ def serve(engine, workload: list[WorkloadRequest],
         elif k < len(pending):
             sleep(max(0.0, workload[pending[k]].arrival - now))
     return reqs  # type: ignore[return-value]
+
+
+def _checked(engine, workload: list[WorkloadRequest]) -> list[Request]:
+    """``workload``'s requests, each checked as ``Engine.add_request`` checks it; raises,
+    naming the request, where one would be refused (a request too long for the KV cache was
+    refused at its arrival, after the earlier ones had been queued and were left running)."""
+    if isinstance(workload, WorkloadSpec):
+        raise TypeError("serve takes a workload's requests, not its spec: pass "
+                        "make_workload(spec, vocab_size)")
+    out = []
+    for i, w in enumerate(workload):
+        if not is_finite_number(w.arrival) or w.arrival < 0:
+            raise ValueError(f"workload[{i}].arrival must be a finite number of seconds >= 0 "
+                             f"after the workload starts, got {w.arrival!r}")
+        try:
+            out.append(engine._checked(w.prompt, w.adapter, w.max_new_tokens, ()))
+        except ValueError as e:
+            raise ValueError(f"workload[{i}] (arrival {w.arrival:.3f} s) would be refused, so "
+                             f"nothing was served: {e}") from e
+    return out
 
 
 def _bounds(x: Length) -> tuple[int, int]:
