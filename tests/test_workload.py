@@ -26,3 +26,23 @@ def test_a_negative_seed_is_refused_not_drawn_as_its_absolute_value():
         WorkloadSpec(**spec, seed=-7)
     assert make_workload(WorkloadSpec(**spec, seed=0), 50) != make_workload(
         WorkloadSpec(**spec, seed=1), 50)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(num_adapters=16), "popularity 'none' serves the base model only"),
+    (dict(num_adapters=-3), "popularity 'none' serves the base model only"),
+    (dict(rate=10.0), "arrival='poisson'"),
+    (dict(popularity="uniform", num_adapters=4, rate=float("nan")), "arrival='poisson'"),
+])
+def test_a_parameter_the_spec_would_ignore_is_refused(kwargs, words):
+    """``num_adapters`` without a popularity drew a base-model workload, and ``rate`` without
+    ``arrival="poisson"`` an offline one: the benchmark measured something else than asked."""
+    with pytest.raises(ValueError, match=words):
+        WorkloadSpec(8, **kwargs)
+    WorkloadSpec(8, num_adapters=0)  # the base model: 0 or the default 1 adapters
+
+
+@pytest.mark.parametrize("vocab", [0, -5, None, 2.5, "96"])
+def test_make_workload_names_a_vocab_size_that_is_not_an_integer_from_1(vocab):
+    with pytest.raises(ValueError, match="vocab_size must be an integer >= 1"):
+        make_workload(WorkloadSpec(2, 3, 2), vocab)

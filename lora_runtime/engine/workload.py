@@ -55,6 +55,15 @@ class WorkloadSpec:
             raise ValueError(f"zipf_alpha must be finite and >= 0, got {self.zipf_alpha!r}")
         if self.popularity in ("uniform", "zipf") and self.num_adapters < 1:
             raise ValueError(f"{self.popularity} popularity needs num_adapters >= 1")
+        # Parameters whose companion defaults to off were ignored: WorkloadSpec(64,
+        # num_adapters=16) drew a base-model workload, WorkloadSpec(64, rate=10.0) an offline one.
+        if self.popularity == "none" and self.num_adapters not in (0, 1):
+            raise ValueError(f"popularity 'none' serves the base model only; got num_adapters="
+                             f"{self.num_adapters}: choose popularity 'uniform', 'zipf' or "
+                             "'distinct' to spread requests over adapters")
+        if self.arrival == "offline" and self.rate != 0:
+            raise ValueError(f"rate={self.rate!r} is the rate of poisson arrivals, but arrival "
+                             "is 'offline' (every request at time 0): pass arrival='poisson'")
         # A case labelled with num_adapters must load that many (``adapter_names``).
         if self.popularity == "identical" and self.num_adapters != 1:
             raise ValueError(f"identical popularity uses one adapter; got num_adapters="
@@ -92,6 +101,9 @@ class WorkloadRequest:
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
+    if not is_int(vocab_size) or vocab_size < 1:  # randrange named neither it nor the fix
+        raise ValueError(f"make_workload: vocab_size must be an integer >= 1 (the model's "
+                         f"config.vocab_size), got {vocab_size!r:.80}")
     rng = random.Random(int(spec.seed))  # a numpy integer is no seed random.Random takes
     names = spec.adapter_names
     weights = ([(i + 1) ** -spec.zipf_alpha for i in range(len(names))]  # 0 past 1e-308
