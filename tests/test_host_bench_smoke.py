@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,3 +71,21 @@ def test_the_plan_benchmark_plans_each_round_and_the_cache_hit_is_timed_apart():
         host.test_lora_plan(bench, world, 2, cached)
         assert bench.planned == want
         world.reset()
+
+
+@pytest.mark.parametrize("option", [
+    ("--host-batch-sizes", "1,x"), ("--host-batch-sizes", "0"), ("--host-threads", "0"),
+    ("--host-devices", "gpu"), ("--host-targets", "foo"), ("--host-context", "0")])
+def test_a_bad_host_option_is_one_usage_error_naming_it(tmp_path, option):
+    """Each was a collection traceback, an INTERNALERROR or an error in every test's set-up,
+    none naming the flag; no run file is kept."""
+    flag, value = option
+    cmd = [sys.executable, "-m", "bench.host", "--out", str(tmp_path), "-p", "no:cacheprovider",
+           flag, value]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 4, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1 and flag in errors[0], out[-3000:]
+    assert "Traceback" not in out and "INTERNALERROR" not in out
+    assert not list(tmp_path.glob("*.json"))

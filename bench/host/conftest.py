@@ -12,6 +12,7 @@ import torch
 
 from bench import provenance
 from bench.host.world import HostShape, HostWorld
+from lora_runtime.model.modules import BY_NAME as SUPPORTED_TARGETS
 
 
 def pytest_addoption(parser) -> None:
@@ -36,14 +37,42 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    torch.set_num_threads(config.getoption("--host-threads"))
+    # Every --host-* value is checked here, before collection: a bad one was a collection
+    # traceback (int() of "x", HostShape's ValueError), an INTERNALERROR (--host-threads 0)
+    # or an error in every test's set-up (--host-devices gpu), none naming the flag.
+    threads = config.getoption("--host-threads")
+    if threads < 1:
+        raise pytest.UsageError(f"--host-threads {threads}: give a positive thread count")
+    host_shape(config)
+    host_devices(config)
+    torch.set_num_threads(threads)
+
+
+def _positive_option(config, flag: str) -> int:
+    value = config.getoption(flag)
+    if value < 1:
+        raise pytest.UsageError(f"{flag} {value}: must be >= 1")
+    return value
 
 
 def host_shape(config) -> HostShape:
-    sizes = tuple(int(s) for s in config.getoption("--host-batch-sizes").split(","))
-    return HostShape(sizes, config.getoption("--host-adapters"), config.getoption("--host-rank"),
-                     config.getoption("--host-context"),
-                     targets=tuple(config.getoption("--host-targets").split(",")))
+    text = config.getoption("--host-batch-sizes")
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise pytest.UsageError(f"--host-batch-sizes {text!r}: give distinct positive integers "
+                                "joined by commas, e.g. 1,64,256")
+    targets = tuple(config.getoption("--host-targets").split(","))
+    unknown = [t for t in targets if t not in SUPPORTED_TARGETS]
+    if unknown or len(set(targets)) != len(targets):
+        raise pytest.UsageError(f"--host-targets {','.join(targets)!r}: give distinct target "
+                                f"modules of {', '.join(sorted(SUPPORTED_TARGETS))} joined by "
+                                "commas")
+    return HostShape(sizes, _positive_option(config, "--host-adapters"),
+                     _positive_option(config, "--host-rank"),
+                     _positive_option(config, "--host-context"), targets=targets)
 
 
 def host_devices(config) -> list[str]:
@@ -51,6 +80,9 @@ def host_devices(config) -> list[str]:
     if want == "auto":
         return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     devices = want.split(",")
+    if not set(devices) <= {"cpu", "cuda"} or len(set(devices)) != len(devices):
+        raise pytest.UsageError(f"--host-devices {want!r}: give cpu, cuda or cpu,cuda (or "
+                                "auto)")
     if "cuda" in devices and not torch.cuda.is_available():
         raise pytest.UsageError("--host-devices names cuda but no CUDA device is available")
     return devices
