@@ -62,6 +62,9 @@ def parse_variant(spec: str) -> Variant:
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"variant {spec!r}: give it a name (NAME or NAME:KNOB=VALUE,...)")
+    if "=" in name:  # a knob setting without a name: it ran the defaults under this name
+        raise ValueError(f"variant {spec!r}: a name has no '='; knobs follow the name and a "
+                         f"colon: NAME:KNOB=VALUE,... (e.g. new:{spec})")
     knobs = []
     # Commas inside a value (a tuple) do not separate: only one before the next KNOB= does.
     for item in filter(None, re.split(r",\s*(?=[A-Z][A-Z0-9_]*(?:\.\w+)?=)", rest)):
@@ -70,6 +73,8 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"variant {name!r}: {item!r} is not KNOB=VALUE")
         knob, _, key = lhs.partition(".")
         _check_knob(name, knob, key or None)
+        if any((k, kk) == (knob, key or None) for k, kk, _ in knobs):  # the last one won
+            raise ValueError(f"variant {name!r}: {lhs} is set twice; give each knob once")
         knobs.append((knob, key or None, _checked_value(name, lhs, knob, key or None,
                                                         _literal(value))))
     return Variant(name, tuple(knobs))

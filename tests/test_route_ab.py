@@ -24,7 +24,13 @@ def test_variants_parse_and_bad_ones_name_the_fix():
                        ("x:GRAPH_WINDOWS_MIN_ROWS.norm=1", "has no key 'norm'"),
                        ("x:WIDE_BLOCKS_MIN_ROWS", "is not KNOB=VALUE"),
                        ("x:WIDE_BLOCKS_MIN_ROWS=lots", "is not a Python literal"),
-                       (":WIDE_BLOCKS_MIN_ROWS=1", "give it a name")]:
+                       (":WIDE_BLOCKS_MIN_ROWS=1", "give it a name"),
+                       # a knob without a name ran the defaults under the name "KNOB=1"
+                       ("WIDE_BLOCKS_MIN_ROWS=1", "a name has no '='"),
+                       # the last setting won, the row listing both
+                       ("x:FORK_MAX_ROWS=1,FORK_MAX_ROWS=2", "FORK_MAX_ROWS is set twice"),
+                       ("x:GRAPH_WINDOWS_MIN_ROWS.rope=1,GRAPH_WINDOWS_MIN_ROWS.rope=2",
+                        "rope is set twice")]:
         with pytest.raises(ValueError, match=says):
             route_ab.parse_variant(spec)
     with pytest.raises(SystemExit):
