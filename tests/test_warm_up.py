@@ -120,7 +120,22 @@ def test_a_failed_warm_up_leaves_nothing_behind(world):
     assert world.runner.kv.free_slots == free
     mine = eng.add_request([1, 2, 3], None, max_new_tokens=2)
     eng.run()
-    assert eng.finished == [mine] and len(mine.output) == 2
+    assert eng.finished == [mine] and len(mine.output) == 2 and mine.id == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_warm_up_gives_back_its_request_ids(world, overlap):
+    """Requests served after it are numbered as on an engine that never warmed up (they were
+    numbered past the warm-up's own, while the step indices started again at 0): with
+    ``keep_logits`` the first request's logits are ``engine.logits[0]``."""
+    eng = world.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=16), overlap=overlap)
+    first = eng.add_request([1, 2, 3], None, max_new_tokens=2)
+    eng.run()
+    assert eng.warm_up().steps > 0
+    second = eng.add_request([4, 5], None, max_new_tokens=2)
+    eng.run()
+    assert (first.id, second.id) == (0, 1) and sorted(eng.logits) == [0, 1]
+    assert [s.index for s in eng.timeline] == list(range(len(eng.timeline)))
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ sides; a shape between two rungs that flips a heuristic threshold can still comp
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,6 +114,9 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     adapters = check_warm_up(engine, adapters)
     t0, jit0 = time.perf_counter(), jit_watch.count()
     marks = engine.steps_recorded, len(engine.finished)
+    # Its requests' ids are given back too: the first request served after it was numbered
+    # past them (18 on a tiny engine) while its step indices started again at 0.
+    next_id = next(engine._ids)
     served = list(engine.timeline)  # the warm-up's own steps may trim it (max_timeline)
     vocab = engine.runner.model.config.vocab_size
     phases = warm_up_phases(engine.config.max_step_tokens, engine.config.max_batch_size,
@@ -139,6 +143,7 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
         engine.timeline[:] = served
         del engine.finished[marks[1]:]
         engine.steps_recorded = marks[0]
+        engine._ids = itertools.count(next_id)
     jit = jit_watch.count()
     return WarmUpReport(time.perf_counter() - t0, steps,
                         None if jit is None else jit - jit0)
