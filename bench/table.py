@@ -93,19 +93,23 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             eager_ratio[(base, r["adapters"], r["ranks"])] = ratio
     out, bases = [], {k[0] for k in cell}
     ctx_varies, dtype_varies = (len({b[i] for b in bases}) > 1 for i in (3, 5))
-    for (base, adapters, ranks, traffic, path) in cell:
-        if not adapters or traffic != "lora" or path != "graph":
-            continue
+    with_lora = {k[0] for k in cell if k[1] and k[3] == "lora" and k[4] == "graph"}
+    # A runtime without LoRA whose model and batch size have no LoRA line (a selection of
+    # no-LoRA cases) gets a line of its own: its rows were timed but the table was empty.
+    lines = [*dict.fromkeys(k[:3] for k in cell if k[1] and k[3] == "lora" and k[4] == "graph"),
+             *dict.fromkeys((k[0], 0, "") for k in cell if not k[1] and k[0] not in with_lora)]
+    for (base, adapters, ranks) in lines:
         step, preset, layers, context, bs, dtype = base
 
         def nl(p, base=base):
             return cell.get((base, 0, "", "base", p))
 
-        def lo(t, p, base=base, adapters=adapters, ranks=ranks):
-            return cell.get((base, adapters, ranks, t, p))
+        def lo(t, p, base=base, adapters=adapters, ranks=ranks):  # the LoRA runtime's
+            return cell.get((base, adapters, ranks, t, p)) if adapters else None
 
         def got(t, p, field, base=base, adapters=adapters, ranks=ranks):
-            return derived.get((base, adapters, ranks, t, p), {}).get(field)
+            return (derived.get((base, adapters, ranks, t, p), {}).get(field) if adapters
+                    else None)
 
         step_cost = _pct(lo("lora", "graph"), nl("graph"))
         replay_cost = _pct(lo("lora", "replay_only"), nl("replay_only"))
@@ -117,7 +121,7 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         model = (f"{preset} ({layers} layers" + (f", ctx {context}" if ctx_varies else "")
                  + (f", {dtype}" if dtype_varies else "")
                  + f"{'' if step == 'decode' else ', ' + step})")
-        out.append([model, str(bs), str(adapters), ranks,
+        out.append([model, str(bs), str(adapters), ranks or "-",
                     fmt(nl("eager"), ".0f"), fmt(nl("graph"), ".0f"),
                     fmt(lo("base", "graph"), ".0f"), fmt(lo("lora", "graph"), ".0f"),
                     f"{fmt(nl('replay_only'), '.0f')} / {fmt(lo('lora', 'replay_only'), '.0f')}",

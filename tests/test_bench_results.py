@@ -136,6 +136,19 @@ def test_tables_keep_columns_apart():
                 assert line[a - 2 : a] == "  ", f"columns touch at {a}: {line!r}"
 
 
+def test_the_model_table_shows_a_selection_of_runtimes_without_lora():
+    # `--suite model --filter no-lora` timed its cases and printed a table of headers only.
+    base = [r for r in rows() if r["suite"] == "model" and r["adapters"] == 0]
+    assert base
+    head, rule, *body = table.model_table(base).splitlines()
+    sizes = sorted({(r["step"], r["batch_size"]) for r in base})
+    assert len(body) == len(sizes)
+    for line in body:
+        cells = re.split(r"  +", line.strip())
+        assert cells[2:4] == ["0", "-"]  # no adapters; the LoRA runtime's columns empty
+        assert cells[4] != "-" and cells[5] != "-" and cells[6] == cells[7] == "-"
+
+
 def test_cpu_timing_returns_raw_samples():
     t = bench_time(lambda: sum(range(100)), device=torch.device("cpu"), reps=7)
     s = t.stats()
