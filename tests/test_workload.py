@@ -46,3 +46,29 @@ def test_a_parameter_the_spec_would_ignore_is_refused(kwargs, words):
 def test_make_workload_names_a_vocab_size_that_is_not_an_integer_from_1(vocab):
     with pytest.raises(ValueError, match="vocab_size must be an integer >= 1"):
         make_workload(WorkloadSpec(2, 3, 2), vocab)
+
+
+def test_one_seed_draws_the_same_requests_for_every_popularity_and_arrival_process():
+    """Adapters and arrival times were drawn from the lengths' stream: at one seed, uniform,
+    Zipf and the base model (and offline against Poisson) drew other prompt and output
+    lengths, so comparing them compared different workloads."""
+    def shapes(**kw):
+        wl = make_workload(WorkloadSpec(12, (4, 64), (1, 32), seed=3, **kw), 100)
+        return [(w.prompt, w.max_new_tokens) for w in wl], wl
+
+    want, _ = shapes()
+    runs = [dict(popularity="identical"), dict(popularity="uniform", num_adapters=4),
+            dict(popularity="zipf", num_adapters=4), dict(popularity="distinct", num_adapters=12),
+            dict(arrival="poisson", rate=5.0),
+            dict(popularity="zipf", num_adapters=4, arrival="poisson", rate=5.0)]
+    arrivals = set()
+    for kw in runs:
+        got, wl = shapes(**kw)
+        assert got == want, kw
+        if kw.get("arrival") == "poisson":
+            arrivals.add(tuple(w.arrival for w in wl))
+    assert len(arrivals) == 1, "the arrival times do not depend on the popularity"
+    uniform = shapes(popularity="uniform", num_adapters=4)[1]
+    assert len({w.adapter for w in uniform}) > 1
+    assert [w.adapter for w in uniform] != [w.adapter for w in make_workload(
+        WorkloadSpec(12, (4, 64), (1, 32), "uniform", 4, seed=4), 100)], "seeds draw adapters"

@@ -105,6 +105,11 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
         raise ValueError(f"make_workload: vocab_size must be an integer >= 1 (the model's "
                          f"config.vocab_size), got {vocab_size!r:.80}")
     rng = random.Random(int(spec.seed))  # a numpy integer is no seed random.Random takes
+    # Adapters and arrival times draw from their own streams: drawn from ``rng`` between the
+    # requests' lengths, they made one seed give other lengths for each popularity and arrival
+    # process (uniform against Zipf at seed 1 compared different workloads).
+    adapter_rng = random.Random(f"adapters-{int(spec.seed)}")
+    arrival_rng = random.Random(f"arrivals-{int(spec.seed)}")
     names = spec.adapter_names
     weights = ([(i + 1) ** -spec.zipf_alpha for i in range(len(names))]  # 0 past 1e-308
                if spec.popularity == "zipf" else None)
@@ -113,13 +118,13 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
         if spec.popularity == "none":
             adapter = None
         elif spec.popularity in ("identical", "uniform"):
-            adapter = rng.choice(names)
+            adapter = adapter_rng.choice(names)
         elif spec.popularity == "zipf":
-            adapter = rng.choices(names, weights)[0]
+            adapter = adapter_rng.choices(names, weights)[0]
         else:
             adapter = names[i]
         if spec.arrival == "poisson":
-            t += rng.expovariate(spec.rate)
+            t += arrival_rng.expovariate(spec.rate)
         prompt = [rng.randrange(vocab_size) for _ in range(_draw(rng, spec.prompt_len))]
         out.append(WorkloadRequest(prompt, adapter, _draw(rng, spec.output_len), t))
     return out
