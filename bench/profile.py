@@ -59,7 +59,18 @@ def main(argv=None) -> int:
         return _nsys(nsys, bench_args, out)
     why = "nsys is not installed" if not nsys else "no GPU" if not cuda else "--torch"
     print(f"{why}: recording a torch profiler trace instead (same range names)", flush=True)
+    if label.startswith(f"{SPAWNED} "):
+        print(SPAWNED_NOTE, flush=True)
     return _torch_profile(bench_args, out, cuda)
+
+
+SPAWNED = "dp"
+"""The suite whose cases run in spawned rank processes, which a torch profiler of this process
+does not record (nsys follows them)."""
+SPAWNED_NOTE = ("note: a dp case runs its model in spawned rank processes, which the torch "
+                "profiler of this process does not record: the trace and the table below hold "
+                "this process's work only (waiting for the ranks); nsys, on a GPU machine, "
+                "records the ranks too")
 
 
 def _one_case(args) -> str:
@@ -126,6 +137,9 @@ def range_table(events, cuda: bool, top: int = 8) -> str:
         lines.append(f"\n{r.name}  ({span:.0f} us wall)")
         for name, (n, us) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]:
             lines.append(f"  {us:12.1f} us  {n:6d}x  {name[:100]}")
+        if not acc:  # a bare heading read as a table cut off
+            lines.append(f"  (no {'kernels' if cuda else 'ops'} recorded in this range in this "
+                         "process)")
     kind = "kernels (device time)" if cuda else "top-level ops (CPU time incl. children)"
     return f"per-range {kind}:" + "".join("\n" + ln for ln in lines)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from report_rows import RUN, rows
 
 pytest.importorskip("plotly", reason="the report needs plotly (pip install plotly)")
@@ -77,3 +78,26 @@ def test_a_run_s_report_that_cannot_be_written_is_a_note_not_a_failure(tmp_path,
     (tmp_path / "report.html").mkdir()  # where cli's report goes
     cli._report(tmp_path)
     assert "no report: " in capsys.readouterr().out
+
+
+def test_a_dp_case_under_the_torch_profiler_says_its_ranks_are_not_recorded(
+        tmp_path, monkeypatch, capsys):
+    """A DP case runs in spawned ranks: its range's table was a bare heading, unexplained."""
+    from bench import profile as bench_profile
+
+    label = "dp size=2 skewed tiny L=1 no-lora"
+
+    def case_in_ranks(argv):  # the parent's range, its work done in other processes
+        with torch.profiler.record_function(label):
+            pass
+        return 0
+
+    monkeypatch.setattr(bench_profile.cli, "main", case_in_ranks)
+    monkeypatch.setattr(bench_profile.torch.cuda, "is_available", lambda: False)
+    assert bench_profile.main([f"^{label}$", "--profile", "cpu", "--out",
+                               str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "spawned rank processes" in out and "nsys" in out
+    heading = out.splitlines().index(next(ln for ln in out.splitlines()
+                                          if ln.startswith(label)))
+    assert "no ops recorded" in out.splitlines()[heading + 1]
