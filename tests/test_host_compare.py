@@ -87,3 +87,20 @@ def test_a_run_sharing_no_benchmark_with_the_reference_says_nothing_was_compared
     out = capsys.readouterr().out
     assert "nothing compared" in out and "--publish" in out
     assert "no benchmark over" not in out
+
+
+def test_an_explicit_baseline_of_another_device_is_flagged_as_such(tmp_path, capsys):
+    """The H200 host's CPU-tensor times against this VM's flagged 'regressions' of the machine,
+    with no word that the two runs came from different devices."""
+    old = _run(tmp_path, "20250101-120000-cpu.json", {"plan[cpu-bs1]": 10.0})
+    new = _run(tmp_path, "20250102-120000-nvidia-h200.json", {"plan[cpu-bs1]": 20.0})
+    info = json.loads(new.read_text())
+    info["machine_info"]["multilora"].update(device="NVIDIA H200", devices=["cpu", "cuda"])
+    new.write_text(json.dumps(info))
+    assert compare.main([str(new), str(old)]) == 1
+    note = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note:")]
+    assert len(note) == 1 and "device: NVIDIA H200 (this run) / None (baseline)" in note[0]
+    assert "devices: ['cpu', 'cuda'] (this run) / ['cpu'] (baseline)" in note[0]
+    same = _run(tmp_path, "20250103-120000-cpu.json", {"plan[cpu-bs1]": 10.0})
+    assert compare.main([str(same), str(old)]) == 0
+    assert "note:" not in capsys.readouterr().out

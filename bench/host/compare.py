@@ -82,6 +82,18 @@ def setup_of(path: Path) -> tuple:
             run.get("torch_threads"))
 
 
+def differences(new: Path, old: Path) -> list[str]:
+    """What differs between two runs' machines and set-ups ("device: cpu / NVIDIA H200")."""
+    def info(path):
+        run = json.loads(Path(path).read_text()).get("machine_info", {}).get("multilora", {})
+        return {"device": run.get("device"), "devices": run.get("devices"),
+                "set-up": json.dumps(run.get("host_shape"), sort_keys=True),
+                "torch threads": run.get("torch_threads")}
+
+    a, b = info(new), info(old)
+    return [f"{k}: {a[k]} (this run) / {b[k]} (baseline)" for k in a if a[k] != b[k]]
+
+
 def previous_run(new: Path) -> Path | None:
     """The newest run file beside ``new``, older than it, of the same device and set-up."""
     m = RUN_NAME.match(new.name)
@@ -121,6 +133,12 @@ def compare(new_path: Path, old_path: Path | None, threshold: float = DEFAULT_TH
         return 0
     rows = changes(read_times(new_path, stat), read_times(old_path, stat))
     print(f"{new_path} against {old_path}:\n{table(rows, threshold, stat)}", file=out)
+    apart = differences(new_path, old_path)
+    if apart:  # an explicit baseline: compared as asked, but never silently across machines
+        print(f"note: the two runs differ in {'; '.join(apart)}: their times are of other "
+              "machines or set-ups, and the flags compare them as if they were not "
+              "(compare with a run of this device and set-up, e.g. results/host-<device>.json "
+              "of this machine's device)", file=out)
     bad = [c.name for c in rows if c.flag(threshold) == REGRESSION]
     if bad:
         print(f"REGRESSION: {len(bad)} benchmark(s) over {threshold}x their previous {stat}: "
