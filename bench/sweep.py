@@ -80,6 +80,11 @@ def main(argv=None) -> int:
         PRESETS[args.preset]().module_shape(args.module)
     except KeyError as e:
         p.error(f"--module: {e.args[0]}")
+    if args.adapters > args.tokens:  # prefill: all tokens in one adapter's request, floors
+        # counting every adapter's weights; decode: only --tokens adapters used
+        p.error(f"--adapters {args.adapters} is more than --tokens {args.tokens}: a kernel case "
+                "has at most one adapter per token (as the suite's cases); give --adapters <= "
+                "--tokens")
     names, values = parse_grid(p, args.grid, args.kernel)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -89,6 +89,9 @@ SWEEP = ["--preset", "tiny", "--module", "gate_up_proj", "--tokens", "4", "--ran
      "--grid 'num_warps=4': num_warps is already in the grid"),
     (["--kernel", "expand", "--grid", "block_n=3"], "block_n values must be powers of 2"),
     (["--kernel", "shrink", "--grid", "num_warps=4,6"], "num_warps values must be powers of 2"),
+    # more adapters than tokens: a prefill layout held one request of all tokens while the
+    # floors counted every adapter's weights
+    (["--kernel", "shrink", "--adapters", "5"], "--adapters 5 is more than --tokens 4"),
 ])
 def test_sweep_refuses_a_repeated_or_unlaunchable_grid_item(monkeypatch, capsys, argv, says):
     monkeypatch.setattr(sweep.kernel_bench, "make_weights", _never)
