@@ -161,17 +161,20 @@ def rows_of(paths: list[Path], note=None) -> tuple[list[dict], dict]:
 def latest_per_case(rows: list[dict], runs: dict) -> tuple[list[dict], int]:
     """Of rows of the same case on the same device from several runs, the latest run's
     (run ids start with the run's UTC time), and how many rows that superseded. A run timed
-    under a profiler (``profiled_by``) never supersedes one that was not."""
+    under a profiler (``profiled_by``) never supersedes one that was not, and a case skipped
+    by a run (a DP size above its GPUs) never supersedes a run that ran it, as in ``upsert``
+    (a later 2-GPU run hid an 8-GPU run's DP 4 and 8 rows)."""
     def key(r):
         return runs.get(r.get("run_id"), {}).get("device"), case_id(r)
 
     def rank(r):
         run_id = r.get("run_id") or ""
-        return not runs.get(run_id, {}).get("profiled_by"), run_id
+        return (r["verification"]["status"] != "skipped",
+                not runs.get(run_id, {}).get("profiled_by"), run_id)
 
     latest: dict[tuple, tuple] = {}
     for r in rows:
-        latest[key(r)] = max(latest.get(key(r), (False, "")), rank(r))
+        latest[key(r)] = max(latest.get(key(r), (False, False, "")), rank(r))
     kept = [r for r in rows if rank(r) == latest[key(r)]]
     return kept, len(rows) - len(kept)
 

@@ -174,6 +174,28 @@ def test_a_case_run_twice_shows_the_latest_run_everywhere(tmp_path, capsys):
     assert {r["run_id"] for r in kept[-4:]} == {later["run_id"]}
 
 
+def test_a_case_a_later_run_skipped_keeps_the_rows_of_the_run_that_ran_it(tmp_path):
+    """As upsert does: a later 2-GPU run skips DP 2 (and 4, 8), and its skipped rows hid the
+    rows a run on more GPUs timed, in every table and chart of the report."""
+    later = RUN | {"run_id": "20260105-000000-abc"}
+    ran = _result(tmp_path / "a" / "dp.json", [r for r in rows() if r["suite"] == "dp"])
+    skipped = [r | {"stats": None, "samples_us": [], "derived": {},
+                    "verification": {"status": "skipped", "error": "needs 2 GPUs"}}
+               for r in rows() if r["suite"] == "dp" and r["dp_size"] == 2]
+    small = _result(tmp_path / "b" / "dp.json", skipped, later)
+    both, runs = results.rows_of([ran, small])
+    kept, superseded = results.latest_per_case(report.with_device(both, runs), runs)
+    assert superseded == len(skipped)
+    assert {r["verification"]["status"] for r in kept} == {"verified"}
+    assert {r["run_id"] for r in kept} == {RUN["run_id"]}
+    # a later run that ran the case again still supersedes the earlier one
+    again = _result(tmp_path / "c" / "dp.json", [r for r in rows() if r["suite"] == "dp"
+                                                 and r["dp_size"] == 2], later)
+    both, runs = results.rows_of([ran, again])
+    kept, _ = results.latest_per_case(report.with_device(both, runs), runs)
+    assert {r["run_id"] for r in kept if r["dp_size"] == 2} == {later["run_id"]}
+
+
 def test_rows_of_different_devices_never_merge(tmp_path):
     gpu = _result(tmp_path / "gpu.json", rows(scale=1.0))
     cpu = _result(tmp_path / "cpu.json", rows(scale=1000.0), CPU_RUN)
