@@ -247,6 +247,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=positive, default=20, help="replays a timing")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines")
     args = p.parse_args(argv)
+    twice = sorted({b for b in args.bs if args.bs.count(b) > 1})
+    if twice:  # one batch per size: its rows printed twice, each with twice the rounds
+        p.error(f"--bs {','.join(map(str, args.bs))}: batch size {twice[0]} is given twice")
     names = [v.name for v in args.variants]
     if len(set(names)) != len(names):
         p.error(f"variant names repeat: {names}")

@@ -37,6 +37,15 @@ def test_variants_parse_and_bad_ones_name_the_fix():
         route_ab.parse_args(["--variant", "a", "--variant", "a"])
 
 
+def test_a_batch_size_given_twice_is_refused(capsys):
+    """``--bs 1,1`` printed two identical rows, each with twice --rounds rounds."""
+    with pytest.raises(SystemExit) as e:
+        route_ab.parse_args(["--preset", "tiny", "--bs", "1,8,1", "--variant", "a"])
+    assert e.value.code == 2 and "--bs 1,8,1: batch size 1 is given twice" in (
+        capsys.readouterr().err)
+    assert route_ab.parse_args(["--preset", "tiny", "--bs", "8,1", "--variant", "a"]).bs == [8, 1]
+
+
 def test_a_variants_knobs_hold_inside_and_are_restored_after():
     before = (config.WIDE_BLOCKS_MIN_ROWS, dict(config.GRAPH_WINDOWS_MIN_ROWS),
               side_stream.ENABLED)
