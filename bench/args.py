@@ -43,11 +43,16 @@ def int_list(sep: str):
 
 
 def torch_dtype(text: str) -> torch.dtype:
-    """An argparse ``type``: a torch dtype's name (``float32``, ``bfloat16``, ``float16``)."""
+    """An argparse ``type``: a floating-point torch dtype's name (``float32``, ``bfloat16``,
+    ``float16``)."""
     value = getattr(torch, text, None)
     if not isinstance(value, torch.dtype):
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch dtype (e.g. float32, "
                                          "bfloat16, float16)")
+    if not value.is_floating_point or value.itemsize < 2:  # int32: a traceback once the
+        # model was being built; float8 is no dtype a model here runs in
+        raise argparse.ArgumentTypeError(f"{text!r} is not a floating-point dtype a model runs "
+                                         "in: give float32, bfloat16 or float16")
     return value
 
 
