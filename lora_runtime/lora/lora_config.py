@@ -23,6 +23,9 @@ class LoRAConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"LoRAConfig.{name} must be an integer >= 1, got {value!r}")
+            # Kept as a Python int: a numpy one (np.max of the adapters' ranks) passed here
+            # and failed the first Triton LoRA launch (no int.bit_length on numpy ints).
+            object.__setattr__(self, name, int(value))
         if isinstance(self.target_modules, str):  # read letter by letter
             raise ValueError(f"LoRAConfig.target_modules must be a tuple of module names, got "
                              f"{self.target_modules!r}; write ({self.target_modules!r},)")
