@@ -93,10 +93,11 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             eager_ratio[(base, r["adapters"], r["ranks"])] = ratio
     out, bases = [], {k[0] for k in cell}
     ctx_varies, dtype_varies = (len({b[i] for b in bases}) > 1 for i in (3, 5))
-    with_lora = {k[0] for k in cell if k[1] and k[3] == "lora" and k[4] == "graph"}
+    lora_lines = dict.fromkeys(k[:3] for k in cell if k[1] and k[3] == "lora" and k[4] == "graph")
+    with_lora = {line[0] for line in lora_lines}
     # A runtime without LoRA whose model and batch size have no LoRA line (a selection of
     # no-LoRA cases) gets a line of its own: its rows were timed but the table was empty.
-    lines = [*dict.fromkeys(k[:3] for k in cell if k[1] and k[3] == "lora" and k[4] == "graph"),
+    lines = [*lora_lines,
              *dict.fromkeys((k[0], 0, "") for k in cell if not k[1] and k[0] not in with_lora)]
     for (base, adapters, ranks) in lines:
         step, preset, layers, context, bs, dtype = base
