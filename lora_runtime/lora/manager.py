@@ -237,6 +237,7 @@ class LoRAManager:
                 )
 
     def unload_adapter(self, name: str) -> None:
+        _check_name_type(name, "unload_adapter")
         if name not in self.adapters:
             raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})")
         if name in self._in_batch:
@@ -251,6 +252,7 @@ class LoRAManager:
         if not isinstance(pinned, bool):  # "no" or 0.0 would pin or unpin by truthiness
             raise ValueError(f"pin_adapter({name!r}, pinned={pinned!r}): pinned must be True "
                              "or False")
+        _check_name_type(name, "pin_adapter")
         if name not in self.adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
         if pinned:
@@ -328,6 +330,13 @@ class LoRAManager:
         base = getattr(parent, attr)
         setattr(parent, attr, WRAPPERS[attr](base, self.backend, weights))
         self.weights[key] = weights
+
+
+def _check_name_type(name, what: str) -> None:
+    # A list or dict name raised "unhashable type" from the membership test.
+    if not isinstance(name, str):
+        raise KeyError(f"{what}: an adapter name is a string, got {type(name).__name__} "
+                       f"{name!r}; pass one adapter's name")
 
 
 def _check_gathered_rows(g: GatheredRows) -> None:

@@ -29,6 +29,9 @@ def random_adapter(
     b_std: float = 0.02,
     dtype: torch.dtype = torch.float32,
 ) -> LoRAAdapter:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        # rank 0 divided by zero computing the scaling; a float rank failed inside randn
+        raise ValueError(f"random_adapter({name!r}): rank must be an integer >= 1, got {rank!r}")
     g = torch.Generator().manual_seed(seed)
     alpha = float(2 * rank if alpha is None else alpha)
     scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
