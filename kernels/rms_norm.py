@@ -23,9 +23,12 @@ from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.rms_norm_shrink import add_rms_norm_shrink
 from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
+from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
+from kernels.weights import LoRAWeights
 
 
 @triton.jit
@@ -97,14 +100,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     the LoRA term of the projection that produced ``x``, is added to ``x`` first.
 
     ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension)."""
-    check_dtype("x", x)
-    check(x.dim() == 2 and x.stride(-1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
-          f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
-    check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
-          f"expected ({x.shape[1]},) (the hidden size of x)")
-    check(weight.is_floating_point() and (weight.numel() <= 1 or weight.stride(0) == 1),
-          lambda: f"weight must be a contiguous floating-point vector, got {weight.dtype} "
-          f"with stride {weight.stride()}")
+    _check_norm_args(x, weight, None)
     if lora is not None:
         lora.check(x, "rms_norm")
     delta = lora.delta if isinstance(lora, LoRADelta) else None
@@ -112,9 +108,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if lora is not None and delta is None:  # by rows only with a residual to store into
             return _rms_norm_op(lora.apply(x.clone()), weight, eps)
         return _rms_norm_op(x, weight, eps, delta)
-    check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,
-          lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
-          f"{tuple(residual.shape)}, {residual.dtype}")
+    _check_norm_args(x, weight, residual)
     if lora is None or delta is not None:
         return _add_rms_norm_op(x, residual, weight, eps, delta)
     check(lora.weights.num_slices == 1,
@@ -123,6 +117,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if _by_windows(x, lora):
         return add_rms_norm_lora_windows_op(x, residual, weight, eps, *lora.block_args())
     return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
+
+
+def rms_norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor, lora: LoRADelta | None,
+                    weights: LoRAWeights, layout: SegmentLayout):
+    """``rms_norm(x, weight, eps, residual, lora)`` and the next projection's LoRA shrink of
+    its output: ``(out, x + residual, a)`` (``kernels.rms_norm_shrink``). ``lora``: a delta or
+    None (the by-rows terms are eager routes)."""
+    _check_norm_args(x, weight, None)
+    _check_norm_args(x, weight, residual)
+    check(lora is None or isinstance(lora, LoRADelta), lambda: f"rms_norm_shrink: the previous "
+          f"projection's term must be a LoRADelta or None, got {type(lora).__name__}")
+    if lora is not None:
+        lora.check(x, "rms_norm_shrink")
+    return add_rms_norm_shrink(x, residual, weight, eps, None if lora is None else lora.delta,
+                               weights, layout)
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None) -> None:
+    if residual is not None:  # x and weight were checked before
+        check(residual.shape == x.shape and residual.dtype == x.dtype
+              and residual.stride(-1) == 1, lambda: f"residual must match x ({tuple(x.shape)}, "
+              f"{x.dtype}, contiguous rows), got {tuple(residual.shape)}, {residual.dtype}")
+        return
+    check_dtype("x", x)
+    check(x.dim() == 2 and x.stride(-1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
+          f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
+    check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
+          f"expected ({x.shape[1]},) (the hidden size of x)")
+    check(weight.is_floating_point() and (weight.numel() <= 1 or weight.stride(0) == 1),
+          lambda: f"weight must be a contiguous floating-point vector, got {weight.dtype} "
+          f"with stride {weight.stride()}")
 
 
 def _by_windows(x: torch.Tensor, lora: PendingLoRA | UnshrunkLoRA) -> bool:
