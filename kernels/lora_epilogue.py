@@ -92,8 +92,9 @@ class LoRADelta:
 
     def check(self, y: torch.Tensor, what: str) -> None:
         d = self.delta
-        check(d.dtype == torch.float32 and d.shape == y.shape and d.stride(-1) == 1
-              and d.device == y.device,
+        # An empty delta's strides are arbitrary (``0.3 * torch.randn(0, 1)`` has (1, 0)).
+        check(d.dtype == torch.float32 and d.shape == y.shape
+              and (d.stride(-1) == 1 or d.numel() == 0) and d.device == y.device,
               lambda: f"{what}: the LoRA delta must be float32 {tuple(y.shape)} with "
               f"contiguous rows on {y.device} (LoRABackend.linear_delta), got {d.dtype} "
               f"{tuple(d.shape)} on {d.device}")
