@@ -24,7 +24,7 @@ from kernels.checks import check, check_dtype
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
 from kernels.rms_norm_shrink import add_rms_norm_shrink
-from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
+from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out, summed_row
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
@@ -38,13 +38,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, cols, e
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d).to(x.dtype)
+    x = summed_row(x_ptr, res_ptr, delta_ptr, row, offs, mask, stride_x, stride_r, stride_d,
+                   HAS_RES, HAS_DELTA)
     if HAS_RES:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
     h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, 0) / cols + eps)

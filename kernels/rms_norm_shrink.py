@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels import config
 from kernels.checks import check
 from kernels.fast_launch import launch
-from kernels.rms_norm_windows import norm_out
+from kernels.rms_norm_windows import norm_out, summed_row
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args
 from kernels.traced_op import traced_op
@@ -42,12 +42,8 @@ def _add_rms_norm_shrink_kernel(
     sl = q // CHUNKS
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d).to(x.dtype)
-    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    x = summed_row(x_ptr, res_ptr, delta_ptr, row, offs, mask, stride_x, stride_r, stride_d,
+                   True, HAS_DELTA)
     h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, 0) / cols + eps)
     h = (h * inv).to(x.dtype).to(tl.float32)

@@ -197,6 +197,26 @@ class Harness:
         return reference_logits(self._merged[key][1], list(tokens), self.dtype, self.device)
 
 
+def prefill_then_decode(h: Harness, ads, device, prefill_bucket: int, decode_bucket: int,
+                        decodes: int = 2, after_prefill=None) -> None:
+    """A request per adapter of ``ads`` (None: the base model), prompts of 1, 4, 7, ...
+    tokens: one prefill replay, then ``decodes`` decode replays, every row checked against
+    the merged-model oracle; ``after_prefill()`` runs between the prefill and the decodes."""
+    from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+
+    reqs = [Request(list(range(1, 2 + 3 * i)), None if ad is None else ad.name, 8)
+            for i, ad in enumerate(ads)]
+    logits = h.step(build_extend(reqs, h.runner.kv, device), expect_bucket=prefill_bucket)
+    if after_prefill is not None:
+        after_prefill()
+    for _ in range(decodes):
+        for r, ad, row in zip(reqs, ads, logits, strict=True):
+            h.oracle(r.tokens, ad, row)
+            r.output.append(int(row.argmax()))
+        logits = h.step(build_decode(reqs, h.runner.kv, device), expect_bucket=decode_bucket)
+    release(reqs, h.runner.kv)
+
+
 def _host(layout) -> dict[str, list[int]]:
     return {k: getattr(layout, k).tolist() for k in
             ("token_slots", "permutation", "block_slots", "block_starts", "block_ends")}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE, KERNEL_DTYPES, ON_GPU, kernel_examples
 from float64_reference import TOL, lora_delta_f64, rel_err
-from graph_harness import Harness
+from graph_harness import Harness, prefill_then_decode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +35,6 @@ from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.row_lora import UnshrunkLoRA
 from kernels.silu_mul import silu_mul
-from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
 
 EXAMPLES = kernel_examples(gpu=25, cpu=6)
@@ -443,15 +442,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
                     max_requests=4, slots=3, max_rank=8, dtype=torch.float32)
         ads = [h.adapter("A", 4, ["gate_proj", "up_proj", "o_proj"], seed=1),
                h.adapter("B", 8, ["up_proj", "down_proj", "q_proj"], seed=2), None]
-        reqs = [Request(list(range(1, 2 + 3 * i)), None if ad is None else ad.name, 8)
-                for i, ad in enumerate(ads)]
-        logits = h.step(build_extend(reqs, h.runner.kv, DEVICE), expect_bucket=24)
-        for _ in range(2):
-            for r, ad, row in zip(reqs, ads, logits, strict=True):
-                h.oracle(r.tokens, ad, row)
-                r.output.append(int(row.argmax()))
-            logits = h.step(build_decode(reqs, h.runner.kv, DEVICE), expect_bucket=4)
-        release(reqs, h.runner.kv)
+        prefill_then_decode(h, ads, DEVICE, prefill_bucket=24, decode_bucket=4)
     assert h.replays == 3 and h.oracle_checks == 6
     assert calls, "the fused activation never ran"
     assert blocks_calls, "SwiGLU or the norm never took a term by blocks"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, kernel_examples
 from float64_reference import TOL, rel_err
-from graph_harness import Harness
+from graph_harness import Harness, prefill_then_decode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import defined_mask, linear_cases
@@ -19,7 +19,6 @@ from kernels import config
 from kernels.lora_epilogue import LoRADelta
 from kernels.rms_norm import rms_norm
 from kernels.rms_norm_shrink import add_rms_norm_shrink
-from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.backend import use_base_backend
 
 EXAMPLES = kernel_examples(gpu=30, cpu=8)
@@ -99,15 +98,11 @@ def test_model_graphs_with_the_norm_shrink_match_the_oracle(monkeypatch):
         ads = [h.adapter("A", 4, ["gate_proj", "up_proj", "o_proj"], seed=1),
                h.adapter("B", 8, ["up_proj", "down_proj", "q_proj"], seed=2),
                h.adapter("C", 2, ["gate_proj"], seed=3), None]
-        reqs = [Request(list(range(1, 2 + 3 * i)), None if ad is None else ad.name, 8)
-                for i, ad in enumerate(ads)]
-        logits = h.step(build_extend(reqs, h.runner.kv, DEVICE), expect_bucket=24)
-        assert len(calls) == captured, "an eager forward or a prefill took the norm's shrink"
-        for _ in range(2):
-            for r, ad, row in zip(reqs, ads, logits, strict=True):
-                h.oracle(r.tokens, ad, row)
-                r.output.append(int(row.argmax()))
-            logits = h.step(build_decode(reqs, h.runner.kv, DEVICE), expect_bucket=4)
-        release(reqs, h.runner.kv)
+
+        def prefill_took_none():
+            assert len(calls) == captured, "an eager forward or a prefill took the norm's shrink"
+
+        prefill_then_decode(h, ads, DEVICE, prefill_bucket=24, decode_bucket=4,
+                            after_prefill=prefill_took_none)
     assert h.replays == 3 and h.oracle_checks == 8
     assert len(calls) == captured, "replays run the captured graph, not the Python route"
