@@ -29,8 +29,8 @@ _LAYER_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
     r"\.lora_([AB])(?:\.default)?\.weight$"
 )
-_BASE_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)\.base_layer\.weight$"
+_BASE_KEY = re.compile(  # without base_layer: saved with save_embedding_layers=True, untargeted
+    r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)(?:\.base_layer)?\.weight$"
 )
 _TOP_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)"
