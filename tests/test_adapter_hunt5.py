@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from runtime_helpers import ALL_TARGETS, make_runtime
 from safetensors.torch import load_file, save_file
 
-from lora_runtime.lora.adapters import AdapterError, random_adapter, save_peft_adapter
+from lora_runtime.lora.adapters import (
+    AdapterError,
+    load_peft_adapter,
+    random_adapter,
+    save_peft_adapter,
+)
 from lora_runtime.model.config import tiny
 
 CFG = tiny()
@@ -45,3 +52,20 @@ def test_embeddings_saved_without_base_layer_are_base_layers(tmp_path):
         "base_model.model.model.embed_tokens.base_layer.weight": embed})
     with pytest.raises(AdapterError, match="name the same tensor"):
         runner.lora.load_adapter("both", path)
+
+
+def test_a_config_without_r_ranks_by_peft_s_default(tmp_path):
+    """PEFT reads a config without ``r`` as LoraConfig's default, 8 (as it does a missing
+    lora_alpha, which was already served so): it was refused as "'r' ... got None"."""
+    for rank in (8, 4):
+        path = tmp_path / f"r{rank}"
+        save_peft_adapter(random_adapter(CFG, "ad", rank, ("q_proj",), alpha=6.0), path)
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        del cfg["r"]
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+        if rank == 8:
+            ad = load_peft_adapter(path)
+            assert ad.r == 8 and {m.scaling for m in ad.modules.values()} == {6 / 8}
+        else:
+            with pytest.raises(AdapterError, match="gives this module rank 8: set r"):
+                load_peft_adapter(path)

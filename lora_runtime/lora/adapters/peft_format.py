@@ -56,6 +56,7 @@ _MOVES_THE_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 """``init_lora_weights`` that train against a changed base weight: unconverted, such an
 adapter is only right on that changed base, which the runtime does not have."""
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default, when the config leaves it out
+PEFT_DEFAULT_R = 8  # LoraConfig.r's default, likewise (the weights' rank must be it)
 
 
 def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
@@ -63,7 +64,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
     name = name or path.name
     cfg = _read_config(path)
     f = path / CONFIG
-    r = cfg.get("r")
+    r = cfg.get("r", PEFT_DEFAULT_R)
     if not _is_positive_int(r):
         raise AdapterError(f"{f}: 'r' must be a positive integer, got {r!r}")
     alpha = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
