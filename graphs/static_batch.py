@@ -9,7 +9,9 @@ no NaN appears. (LoRA metadata has its own static buffers, owned by the LoRA bac
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from kernels.decode_inputs import write_decode_inputs
@@ -33,15 +35,26 @@ def _put(dst: torch.Tensor, src: torch.Tensor | None, n: int, end: int, pad: int
 
 
 def _checked_buckets(buckets, what: str) -> list[int]:
+    """The buckets, sorted, once each, as Python ints. Read once: a generator was used up by
+    the check (IndexError); one int raised "not iterable", a tensor or array "ambiguous"."""
+    if isinstance(buckets, (torch.Tensor, np.ndarray)):
+        buckets = buckets.tolist()
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+        one = f" (for one bucket: [{buckets}])" if is_int(buckets) else ""
+        raise ValueError(f"graph buckets must be a non-empty list of {what} >= 1, got "
+                         f"{buckets!r}{one}")
+    buckets = list(buckets)
     if not buckets or not all(is_int(b) and b >= 1 for b in buckets):
         raise ValueError(f"graph buckets must be a non-empty list of {what} >= 1, got "
                          f"{buckets!r}")
-    return sorted(set(buckets))
+    return sorted({int(b) for b in buckets})  # numpy ints reached results and step records
 
 
-def _check_size(name: str, value, least: int) -> None:
+def _check_size(name: str, value, least: int) -> int:
+    """``value`` as a Python int (a numpy one is not JSON-serializable)."""
     if not is_int(value) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
 
 
 class DecodeBuffers:
@@ -51,7 +64,7 @@ class DecodeBuffers:
 
     def __init__(self, buckets: list[int], max_context: int, device) -> None:
         self.buckets = _checked_buckets(buckets, "batch sizes")
-        _check_size("max_context", max_context, 1)
+        max_context = _check_size("max_context", max_context, 1)
         bs = self.buckets[-1]
         self.max_context = max_context
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
@@ -119,8 +132,8 @@ class PrefillBuffers:
 
     def __init__(self, buckets: list[int], max_requests: int, max_prefix: int, device) -> None:
         self.buckets = _checked_buckets(buckets, "token counts")
-        _check_size("max_requests", max_requests, 1)
-        _check_size("max_prefix", max_prefix, 0)
+        max_requests = _check_size("max_requests", max_requests, 1)
+        max_prefix = _check_size("max_prefix", max_prefix, 0)
         t = self.buckets[-1]
         self.max_requests, self.max_prefix = max_requests, max_prefix
         c = t + max_prefix

@@ -1,0 +1,62 @@
+"""Graph-runner and engine arguments a caller gets slightly wrong, each refused at once naming
+the input (nothing prepared, nothing replayed), and the unusual ones that must work.
+
+Before: bucket lists given as a generator raised IndexError (the check used it up), one bucket
+as an int "'int' object is not iterable", a tensor "Boolean value of Tensor ... ambiguous";
+numpy sizes were kept as numpy (``last_bucket`` and the buckets a run records were not
+JSON-serializable); ``replay(batch, bucket=2.0)`` prepared the LoRA batch, then failed in a
+slice ("slice indices must be integers"), and ``bucket=True`` replayed bucket 1;
+``Engine(runner, config, graph_runner)`` (one runner, not in a list) raised "'GraphRunner'
+object is not iterable", ``graphs=[runner]`` "'ModelRunner' object has no attribute
+'runner'"."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+from runtime_helpers import drawn_adapter, make_runtime
+
+from graphs import GraphRunner
+from lora_runtime.model.config import tiny
+
+
+@functools.cache
+def _runtime():
+    cfg = tiny(1)
+    rt = make_runtime(cfg, dtype=torch.float32, device=DEVICE, backend="torch", slots=2,
+                      max_rank=4, kv_tokens=64)
+    rt.lora.load_adapter("a", drawn_adapter(cfg, "a", 1, 4))
+    return rt
+
+
+@pytest.mark.parametrize("buckets, says", [
+    ((b for b in (1, 2)), None),  # a generator: IndexError
+    (4, r"got 4 \(for one bucket: \[4\]\)"),  # 'int' object is not iterable
+    ("12", "got '12'"),
+    (torch.tensor([[1, 2]]), "got \\[\\[1, 2\\]\\]"),
+])
+def test_bucket_lists_in_another_form_are_read_or_refused_naming_them(buckets, says):
+    rt = _runtime()
+    if says is None:
+        assert GraphRunner.decode(rt, buckets, 16).buckets == [1, 2]
+        return
+    with pytest.raises(ValueError, match=rf"graph buckets must be .*{says}"):
+        GraphRunner.decode(rt, buckets, 16)
+
+
+@pytest.mark.parametrize("buckets", [range(1, 3), torch.tensor([2, 1]), np.array([1, 2, 2]),
+                                     [np.int64(2), np.int32(1)], {2, 1}])
+def test_bucket_lists_of_any_integer_kind_are_kept_as_python_ints(buckets):
+    rt = _runtime()
+    g = GraphRunner.decode(rt, buckets, np.int64(16))
+    assert g.buckets == [1, 2] and all(type(b) is int for b in g.buckets)
+    assert type(g.buffers.max_context) is int
+    p = GraphRunner.prefill(rt, buckets, np.int64(2), np.int64(4))
+    assert [type(x) for x in (*p.buckets, p.buffers.max_requests, p.buffers.max_prefix)] \
+        == [int] * 4
+    json.dumps({"buckets": g.buckets, "max_context": g.buffers.max_context})
