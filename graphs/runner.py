@@ -24,6 +24,7 @@ import torch
 
 from graphs.replayable import Replayable, capture, new_pool
 from graphs.static_batch import DecodeBuffers, PrefillBuffers
+from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -157,12 +158,14 @@ class GraphRunner:
         idle = batch.mode is ForwardMode.IDLE
         # Hazard: a batch no bucket holds (own None: too many tokens or requests, a prefix past
         # max_prefix, a wider context) must be refused under an agreed bucket too; only an
-        # idle batch fits every bucket (a prefill runner's has no own bucket).
-        if (bucket is None or bucket not in self.buffers.buckets or (own is None and not idle)
-                or (own or 0) > bucket):
+        # idle batch fits every bucket (a prefill runner's has no own bucket). A bucket that is
+        # not an integer (2.0, True) matched one and failed in a slice after LoRA was prepared.
+        if (not is_int(bucket) or bucket not in self.buffers.buckets
+                or (own is None and not idle) or (own or 0) > bucket):
             raise ValueError(f"no captured bucket fits this {batch.mode.value} batch of "
                              f"{batch.batch_size} requests, {batch.num_tokens} tokens (buckets "
-                             f"{self.buffers.buckets}, asked {bucket}); check can_run() first")
+                             f"{self.buffers.buckets}, asked {bucket!r}); check can_run() first")
+        bucket = int(bucket)
         kind = variant if variant is not None else self.variant_for(  # an idle DP rank's MLP
             batch, (idle and self.dp is not None) or batch.has_adapters)  # serves its peers
         if kind != LORA and variant is not None and self.lora is not None and batch.has_adapters:

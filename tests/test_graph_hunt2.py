@@ -22,6 +22,7 @@ from conftest import DEVICE
 from runtime_helpers import drawn_adapter, make_runtime
 
 from graphs import GraphRunner
+from lora_runtime.engine.requests import Request, build_decode, build_extend, release
 from lora_runtime.model.config import tiny
 
 
@@ -60,3 +61,25 @@ def test_bucket_lists_of_any_integer_kind_are_kept_as_python_ints(buckets):
     assert [type(x) for x in (*p.buckets, p.buffers.max_requests, p.buffers.max_prefix)] \
         == [int] * 4
     json.dumps({"buckets": g.buckets, "max_context": g.buffers.max_context})
+
+
+def test_replay_refuses_a_bucket_that_is_not_an_integer_before_preparing_lora():
+    rt = _runtime()
+    g = GraphRunner.decode(rt, [1, 2], 16).capture()
+    r = Request([1, 2, 3], "a", 4)
+    rt.forward_eager(build_extend([r], rt.kv, DEVICE))
+    r.output.append(5)
+    batch = build_decode([r], rt.kv, DEVICE)
+    eager = rt.forward_eager(batch).clone()
+    try:
+        for bad in (2.0, True, "2"):
+            rt.lora.reset_lora_batch()
+            with pytest.raises(ValueError, match=rf"asked {bad!r}"):
+                g.replay(batch, bad)
+            assert rt.lora.backend.batch_info is None and g.last_bucket is None
+        got = g.replay(batch, np.int64(2))
+        assert type(g.last_bucket) is int and g.last_bucket == 2
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    finally:
+        rt.lora.reset_lora_batch()
+        release([r], rt.kv)
