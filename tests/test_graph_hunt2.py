@@ -22,7 +22,9 @@ from conftest import DEVICE
 from runtime_helpers import drawn_adapter, make_runtime
 
 from graphs import GraphRunner
+from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.requests import Request, build_decode, build_extend, release
+from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.model.config import tiny
 
 
@@ -83,3 +85,18 @@ def test_replay_refuses_a_bucket_that_is_not_an_integer_before_preparing_lora():
     finally:
         rt.lora.reset_lora_batch()
         release([r], rt.kv)
+
+
+@pytest.mark.parametrize("graphs, says", [
+    ("runner", r"graphs must be a list of graph runners .*got GraphRunner.*graphs=\[g\]"),
+    ("model runner", r"graphs\[0\] is a ModelRunner, not a graph runner"),
+    ("int", r"graphs must be a list of graph runners .*got int 3"),
+])
+def test_engine_graphs_that_are_not_a_list_of_graph_runners_are_refused(graphs, says):
+    rt = _runtime()
+    g = GraphRunner.decode(rt, [1], 16)
+    given = {"runner": g, "model runner": [rt], "int": 3}[graphs]
+    with pytest.raises(TypeError, match=says):
+        Engine(rt, SchedulerConfig(), given)
+    assert Engine(rt, SchedulerConfig(), None).graphs == []
+    assert Engine(rt, SchedulerConfig(), (g,)).graphs == [g]

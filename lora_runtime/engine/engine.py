@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -99,8 +99,7 @@ class Engine:
             if not isinstance(flag, bool):  # overlap="no" launched steps ahead
                 raise TypeError(f"Engine: {what} must be True or False, got {flag!r:.80}")
         self.config = config or SchedulerConfig()
-        self.graphs = list(graphs)
-        _check_graphs(self.graphs, runner)
+        self.graphs = _checked_graphs(graphs, runner)
         self.keep_logits = keep_logits
         self._overlap = overlap
         self._inflight: LaunchedStep | None = None
@@ -591,13 +590,27 @@ class Engine:
 
 
 
-def _check_graphs(graphs: Sequence[GraphReplayer], runner: ModelRunner) -> None:
-    """A graph replays its own runner's model and KV cache: with another runner's, graph steps
-    and eager steps would read different caches (silently wrong tokens)."""
+def _checked_graphs(graphs, runner: ModelRunner) -> list[GraphReplayer]:
+    """``graphs`` as a list (None: none). A graph replays its own runner's model and KV cache:
+    with another runner's, graph steps and eager steps would read different caches (silently
+    wrong tokens). One graph runner not in a list raised "'GraphRunner' object is not
+    iterable", a list holding the ModelRunner "object has no attribute 'runner'"."""
+    if graphs is None:
+        return []
+    if hasattr(graphs, "replay") or isinstance(graphs, (str, bytes)) or not isinstance(
+            graphs, Iterable):
+        raise TypeError(f"Engine: graphs must be a list of graph runners (graphs.GraphRunner), "
+                        f"got {type(graphs).__name__} {graphs!r:.80}; for one: graphs=[g]")
+    graphs = list(graphs)
     for i, g in enumerate(graphs):
+        if not all(hasattr(g, a) for a in ("runner", "can_run", "replay")):
+            raise TypeError(f"Engine: graphs[{i}] is a {type(g).__name__}, not a graph runner: "
+                            "pass graphs.GraphRunner.decode(...) / .prefill(...) runners, "
+                            "captured")
         if g.runner is not runner:
             raise ValueError(f"graphs[{i}] was built on another ModelRunner than the engine's; "
                              "build each GraphRunner from the runner passed to the engine")
+    return graphs
 
 
 def _check_flag(call: str, flag) -> None:
