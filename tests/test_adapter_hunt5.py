@@ -69,3 +69,24 @@ def test_a_config_without_r_ranks_by_peft_s_default(tmp_path):
         else:
             with pytest.raises(AdapterError, match="gives this module rank 8: set r"):
                 load_peft_adapter(path)
+
+
+@pytest.mark.parametrize("absent", [True, False])
+def test_a_config_without_target_modules_targets_peft_s_llama_default(tmp_path, absent):
+    """PEFT reads target_modules absent or null as its default for Llama, q_proj and v_proj:
+    such a config was refused ("target_modules is missing", no fix named)."""
+    for targets in (("q_proj", "v_proj"), ("q_proj", "k_proj")):
+        path = tmp_path / "_".join(targets)
+        save_peft_adapter(random_adapter(CFG, "ad", 4, targets, alpha=6.0), path)
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        if absent:
+            del cfg["target_modules"]
+        else:
+            cfg["target_modules"] = None
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+        if "k_proj" in targets:
+            with pytest.raises(AdapterError, match=r"target_modules \['q_proj', 'v_proj'\] "
+                                                   "does not name 'k_proj'"):
+                load_peft_adapter(path)
+        else:
+            assert load_peft_adapter(path).targets == {"q_proj", "v_proj"}

@@ -56,6 +56,7 @@ _MOVES_THE_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 """``init_lora_weights`` that train against a changed base weight: unconverted, such an
 adapter is only right on that changed base, which the runtime does not have."""
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default, when the config leaves it out
+PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]  # PEFT's target_modules for model_type llama
 PEFT_DEFAULT_R = 8  # LoraConfig.r's default, likewise (the weights' rank must be it)
 
 
@@ -289,12 +290,11 @@ def _targets(cfg: dict, path: Path) -> set[str] | None:
     """The PEFT target names the config allows; None for a regex (weights decide). Names of
     other architectures' modules in the list are ignored, as PEFT does (one must match);
     ``target_parameters`` adds the modules of the parameters it names; with
-    ``ensure_weight_tying`` embed_tokens and lm_head stand for each other."""
+    ``ensure_weight_tying`` embed_tokens and lm_head stand for each other. Without
+    target_modules (absent or null) PEFT targets its default for Llama, q_proj and v_proj."""
     raw = cfg.get("target_modules")
     params = _target_parameters(cfg, path)
-    if raw is None and not params:
-        raise AdapterError(f"{path / CONFIG}: target_modules is missing")
-    names = _target_names(raw or [], path)
+    names = _target_names(PEFT_DEFAULT_TARGETS if raw is None else raw or [], path)
     if names is None:
         return None
     for p in params:
