@@ -63,13 +63,13 @@ class GraphRunner:
 
     @staticmethod
     def decode(runner: ModelRunner, buckets: list[int], max_context: int) -> GraphRunner:
-        return GraphRunner(runner, DecodeBuffers(buckets, max_context, runner.device))
+        return GraphRunner(runner, DecodeBuffers(buckets, max_context, _device_of(runner)))
 
     @staticmethod
     def prefill(runner: ModelRunner, buckets: list[int], max_requests: int,
                 max_prefix: int = 0) -> GraphRunner:
         return GraphRunner(runner, PrefillBuffers(buckets, max_requests, max_prefix,
-                                                  runner.device))
+                                                  _device_of(runner)))
 
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> GraphRunner:
@@ -203,6 +203,16 @@ class GraphRunner:
             self.lora.prepare_for_capture(self.lora_buffers, rows, requests, local)
         else:
             self.lora.prepare_for_replay(self.lora_buffers, batch, rows, requests, local)
+
+
+def _device_of(runner: ModelRunner) -> torch.device:
+    """The runner's device; a model (or an engine) given for the runner raised
+    "'LlamaForCausalLM' object has no attribute 'device'"."""
+    if not isinstance(runner, ModelRunner):
+        raise TypeError(f"GraphRunner.decode / .prefill take the ModelRunner whose model and KV "
+                        f"cache they replay, got {type(runner).__name__}: build it as "
+                        "ModelRunner(model, KVCache(...), lora)")
+    return runner.device
 
 
 def _pool_bytes(device: torch.device) -> int:

@@ -100,3 +100,14 @@ def test_engine_graphs_that_are_not_a_list_of_graph_runners_are_refused(graphs, 
         Engine(rt, SchedulerConfig(), given)
     assert Engine(rt, SchedulerConfig(), None).graphs == []
     assert Engine(rt, SchedulerConfig(), (g,)).graphs == [g]
+
+
+def test_a_graph_runner_of_something_else_than_a_model_runner_is_refused():
+    """``GraphRunner.decode(model, ...)`` raised "'LlamaForCausalLM' object has no attribute
+    'device'"."""
+    rt = _runtime()
+    for bad in (rt.model, Engine(rt, SchedulerConfig())):
+        with pytest.raises(TypeError, match=rf"take the ModelRunner .*got {type(bad).__name__}"):
+            GraphRunner.decode(bad, [1], 16)
+        with pytest.raises(TypeError, match=rf"take the ModelRunner .*got {type(bad).__name__}"):
+            GraphRunner.prefill(bad, [8], 2)
