@@ -470,31 +470,6 @@ def delta_beside(x: torch.Tensor, route: str) -> bool:
             and torch.cuda.is_current_stream_capturing())
 
 
-NORM_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_NORM_SHRINK_MAX_ROWS", "0"))
-"""Inside a CUDA graph (or a traced one), forwards of at most this many rows that do not take
-the delta route (``DELTA_MAX_ROWS["silu_mul"]``) compute gate_up's LoRA shrink in the residual
-add + RMSNorm before it (``kernels.rms_norm_shrink``) instead of beside the gate_up GEMM,
-where the shrink's programs wait for the GEMM's SMs (read at import; 0: never). Not under DP
-attention: the MLP runs on rows gathered after the norm. Off by default until measured on
-the GPU (see docs/perf-notes.md, session 42)."""
-
-
-def norm_shrink(x: torch.Tensor) -> bool:
-    """Whether the norm before gate_up computes its shrink for ``x``'s rows (a capture or a
-    trace: eager forwards leave the whole term to SwiGLU, ``shrink_in_consumer``)."""
-    return x.shape[0] <= NORM_SHRINK_MAX_ROWS and not eager(x)
-
-
-def norm_shrink_chunk(rows: int, num_slices: int, max_rank: int) -> int:
-    """Ranks one norm-shrink program computes: 2, doubled (up to 8) while the grid keeps at
-    least ``ROW_SHRINK_PROGRAMS`` programs; every program of a row renormalises it."""
-    chunk = 2
-    while chunk < min(8, max_rank) and rows * num_slices * cdiv(max_rank, 2 * chunk) >= (
-            ROW_SHRINK_PROGRAMS):
-        chunk *= 2
-    return chunk
-
-
 ONE_LAUNCH_MAX_ROWS = int(os.environ.get("MULTILORA_ONE_LAUNCH_MAX_ROWS", "64"))
 """Eager LoRA linears of at most this many rows may run shrink and expand as one launch
 (``kernels.shrink_expand``; read at import, 0: never). Each output group recomputes its

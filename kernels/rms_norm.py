@@ -23,12 +23,9 @@ from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
-from kernels.rms_norm_shrink import add_rms_norm_shrink
-from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out, summed_row
+from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
-from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
-from kernels.weights import LoRAWeights
 
 
 @triton.jit
@@ -38,9 +35,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, cols, e
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
-    x = summed_row(x_ptr, res_ptr, delta_ptr, row, offs, mask, stride_x, stride_r, stride_d,
-                   HAS_RES, HAS_DELTA)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
     h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, 0) / cols + eps)
@@ -96,48 +97,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     the LoRA term of the projection that produced ``x``, is added to ``x`` first.
 
     ``x``, ``residual``: ``[rows, hidden]`` (rows contiguous in their last dimension)."""
-    _check_norm_args(x, weight, None)
-    if lora is not None:
-        lora.check(x, "rms_norm")
-    delta = lora.delta if isinstance(lora, LoRADelta) else None
-    if residual is None:
-        if lora is not None and delta is None:  # by rows only with a residual to store into
-            return _rms_norm_op(lora.apply(x.clone()), weight, eps)
-        return _rms_norm_op(x, weight, eps, delta)
-    _check_norm_args(x, weight, residual)
-    if lora is None or delta is not None:
-        return _add_rms_norm_op(x, residual, weight, eps, delta)
-    check(lora.weights.num_slices == 1,
-          lambda: f"rms_norm: a by-rows LoRA term must have one slice (o_proj, down_proj), "
-          f"got {lora.weights.num_slices}")
-    if _by_windows(x, lora):
-        return add_rms_norm_lora_windows_op(x, residual, weight, eps, *lora.block_args())
-    return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
-
-
-def rms_norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor, lora: LoRADelta | None,
-                    weights: LoRAWeights, layout: SegmentLayout):
-    """``rms_norm(x, weight, eps, residual, lora)`` and the next projection's LoRA shrink of
-    its output: ``(out, x + residual, a)`` (``kernels.rms_norm_shrink``). ``lora``: a delta or
-    None (the by-rows terms are eager routes)."""
-    _check_norm_args(x, weight, None)
-    _check_norm_args(x, weight, residual)
-    check(lora is None or isinstance(lora, LoRADelta), lambda: f"rms_norm_shrink: the previous "
-          f"projection's term must be a LoRADelta or None, got {type(lora).__name__}")
-    if lora is not None:
-        lora.check(x, "rms_norm_shrink")
-    return add_rms_norm_shrink(x, residual, weight, eps, None if lora is None else lora.delta,
-                               weights, layout)
-
-
-def _check_norm_args(x: torch.Tensor, weight: torch.Tensor,
-                     residual: torch.Tensor | None) -> None:
-    if residual is not None:  # x and weight were checked before
-        check(residual.shape == x.shape and residual.dtype == x.dtype
-              and residual.stride(-1) == 1, lambda: f"residual must match x ({tuple(x.shape)}, "
-              f"{x.dtype}, contiguous rows), got {tuple(residual.shape)}, {residual.dtype}")
-        return
     check_dtype("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, lambda: f"x must be 2-D with contiguous rows, got "
           f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
@@ -146,6 +105,24 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor,
     check(weight.is_floating_point() and (weight.numel() <= 1 or weight.stride(0) == 1),
           lambda: f"weight must be a contiguous floating-point vector, got {weight.dtype} "
           f"with stride {weight.stride()}")
+    if lora is not None:
+        lora.check(x, "rms_norm")
+    delta = lora.delta if isinstance(lora, LoRADelta) else None
+    if residual is None:
+        if lora is not None and delta is None:  # by rows only with a residual to store into
+            return _rms_norm_op(lora.apply(x.clone()), weight, eps)
+        return _rms_norm_op(x, weight, eps, delta)
+    check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,
+          lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
+          f"{tuple(residual.shape)}, {residual.dtype}")
+    if lora is None or delta is not None:
+        return _add_rms_norm_op(x, residual, weight, eps, delta)
+    check(lora.weights.num_slices == 1,
+          lambda: f"rms_norm: a by-rows LoRA term must have one slice (o_proj, down_proj), "
+          f"got {lora.weights.num_slices}")
+    if _by_windows(x, lora):
+        return add_rms_norm_lora_windows_op(x, residual, weight, eps, *lora.block_args())
+    return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
 
 
 def _by_windows(x: torch.Tensor, lora: PendingLoRA | UnshrunkLoRA) -> bool:

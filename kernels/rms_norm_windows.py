@@ -118,21 +118,6 @@ def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
     return count, part
 
 
-@triton.jit
-def summed_row(x_ptr, res_ptr, delta_ptr, row, offs, mask, stride_x, stride_r, stride_d,
-               HAS_RES: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """Row ``row`` of ``round(round(x + delta) + residual)`` over ``offs`` (the norm kernels'
-    input, each addition rounded to x's dtype as torch rounds it)."""
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d).to(x.dtype)
-    if HAS_RES:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
 def norm_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A norm's output: ``x``'s shape, the promoted dtype of ``x`` and the norm weight."""
     return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)

@@ -130,3 +130,12 @@ def test_bad_inputs_are_named():
     ids = torch.zeros(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match=r"qkv has shape \(2, 8\)"):
         rope_and_cache_kv(x, ids, tab, tab, ids, cache, cache, 2)
+
+
+def test_rms_norm_accepts_an_empty_delta_whatever_its_strides():
+    """``0.3 * torch.randn(0, 1)`` has strides (1, 0): an empty delta was refused as
+    non-contiguous."""
+    x, res = torch.randn(0, 8, device=DEVICE), torch.randn(0, 8, device=DEVICE)
+    delta = torch.empty_strided((0, 8), (1, 0), device=DEVICE)
+    out, summed = rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, res, LoRADelta(delta))
+    assert out.shape == summed.shape == (0, 8)

@@ -126,23 +126,6 @@ class DeferredExpandLinear(LinearWithLoRA):
         return self._base_call()(x), None
 
 
-class ProducerShrunkLinear(DeferredExpandLinear):
-    """A projection whose shrink the norm before it may compute (``kernels.rms_norm_shrink``):
-    the model asks ``shrink_before`` first and passes the norm's ``a`` to ``forward_shrunk``."""
-
-    def shrink_before(self, x: torch.Tensor):
-        """``(weights, layout)`` where the norm producing ``x`` computes this projection's
-        shrink for its rows (``backend.shrinks_in_producer``), else None."""
-        if self.lora_active and self.backend.shrinks_in_producer(x, self.lora, self.consumer,
-                                                                 self.rows):
-            return self.lora, self.backend.ready_layout(self.rows)
-        return None
-
-    def forward_shrunk(self, x: torch.Tensor, a: torch.Tensor):
-        """``forward_deferred``'s ``(output, PendingLoRA)`` with the shrink ``a`` given."""
-        return self.backend.linear_shrunk(self._base_call(), x, a, self.lora, self.rows)
-
-
 class RowLinearWithLoRA(DeferredExpandLinear):
     """o_proj. Its output goes to the residual add + RMSNorm, which may add its LoRA term."""
 
@@ -166,7 +149,7 @@ class QKVLinearWithLoRA(DeferredExpandLinear):
     consumer = "rope"
 
 
-class MergedColumnLinearWithLoRA(ProducerShrunkLinear):
+class MergedColumnLinearWithLoRA(DeferredExpandLinear):
     """Fused gate, up: two slices of equal width, on the MLP's rows. Under DP it is
     column-parallel: A is whole and B holds this rank's output rows of each slice. SwiGLU's
     activation may add its LoRA term."""

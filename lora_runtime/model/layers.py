@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
-from kernels.rms_norm import rms_norm, rms_norm_shrink
+from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.row_lora import UnshrunkLoRA
 from kernels.silu_mul import silu_mul as silu_mul_triton
@@ -41,12 +41,6 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, x)
-
-    def forward_shrink(self, x: torch.Tensor, residual: torch.Tensor, lora: LoRADelta | None,
-                       weights, layout):
-        """``forward(x, residual, lora)`` and the next projection's LoRA shrink of the output:
-        ``(out, x + residual, a)`` (Triton base backend only: ``LlamaMLP.shrink_before``)."""
-        return rms_norm_shrink(x, self.weight, self.eps, residual, lora, weights, layout)
 
 
 # The LoRA wrappers' methods are found by a class lookup: no Module.__getattr__ on the plain

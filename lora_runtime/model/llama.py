@@ -6,12 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.lora_epilogue import LoRADelta
 from lora_runtime.dp.collectives import gather_rows, reduce_scatter_rows
 from lora_runtime.dp.group import DPGroup
 from lora_runtime.engine.forward_batch import ForwardBatch
 from lora_runtime.model.attention import LlamaAttention
-from lora_runtime.model.backend import base_backend
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, deferred, silu_mul
 
@@ -26,29 +24,18 @@ class LlamaMLP(nn.Module):
         """Set by ``lora_runtime.dp.shard.shard_mlp``: this rank holds 1/size of the
         intermediate dimension and runs on the rows gathered from every rank."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, a: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, batch: ForwardBatch):
         """``(output, LoRA term or None)``, as ``LlamaAttention.forward``. Under DP down's LoRA
         term is summed by the reduce-scatter with its base output, so it is never left to the
-        norm. ``a``: gate_up's shrink, computed by the norm before (``shrink_before``)."""
+        norm."""
         if self.dp is None:
-            return self._local(x, delta=True, a=a)
+            return self._local(x, delta=True)
         rows = gather_rows(x, batch.gathered.rows_per_rank, self.dp)
         out, _ = self._local(rows, delta=False)
         return reduce_scatter_rows(out, self.dp)[: x.shape[0]], None
 
-    def shrink_before(self, x: torch.Tensor):
-        """``(weights, layout)`` where the norm producing ``x`` computes gate_up's LoRA shrink
-        (a graph of a few rows, Triton kernels), else None. Not under DP: gate_up runs on the
-        rows gathered after the norm."""
-        up = self.gate_up_proj
-        if (self.dp is None and hasattr(type(up), "shrink_before")
-                and base_backend(x.device) == "triton"):
-            return up.shrink_before(x)
-        return None
-
-    def _local(self, x: torch.Tensor, delta: bool, a: torch.Tensor | None = None):
-        up = self.gate_up_proj
-        h = silu_mul(*(deferred(up, x) if a is None else up.forward_shrunk(x, a)))
+    def _local(self, x: torch.Tensor, delta: bool):
+        h = silu_mul(*deferred(self.gate_up_proj, x))
         return deferred(self.down_proj, h) if delta else (self.down_proj(h), None)
 
 
@@ -70,15 +57,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(hidden, residual, delta)
         hidden, delta = self.self_attn(x, batch, kv)
-        shrink = (self.mlp.shrink_before(hidden)
-                  if delta is None or isinstance(delta, LoRADelta) else None)
-        if shrink is None:
-            x, residual = self.post_attention_layernorm(hidden, residual, delta)
-            hidden, delta = self.mlp(x, batch)
-        else:
-            x, residual, a = self.post_attention_layernorm.forward_shrink(hidden, residual,
-                                                                          delta, *shrink)
-            hidden, delta = self.mlp(x, batch, a)
+        x, residual = self.post_attention_layernorm(hidden, residual, delta)
+        hidden, delta = self.mlp(x, batch)
         return hidden, residual, delta
 
 

@@ -159,21 +159,6 @@ class LoRABackend:
         a, y = run_beside(lambda: self.shrink(x, weights, layout), lambda: base(x), x)
         return y, PendingLoRA(a, weights, layout)
 
-    def shrinks_in_producer(self, x: torch.Tensor, weights: LoRAWeights, consumer: str,
-                            rows: RowSet = RowSet.TOKENS) -> bool:
-        """Whether the norm before a projection of ``x``'s rows computes its shrink
-        (``kernels.rms_norm_shrink``; the projection then runs ``linear_shrunk``): only
-        backends whose consumer kernels add a pending term (graphs of a few rows)."""
-        return False
-
-    def linear_shrunk(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                      a: torch.Tensor, weights: LoRAWeights, rows: RowSet = RowSet.TOKENS):
-        """``(base(x), PendingLoRA)`` of a shrink ``a`` the norm before computed: no LoRA
-        kernel here; the consumer of the output adds the expand."""
-        from kernels.lora_epilogue import PendingLoRA
-
-        return base(x), PendingLoRA(a, weights, self._layout(rows, "linear"))
-
     def shrinks_in_consumer(self, x: torch.Tensor, weights: LoRAWeights, consumer: str,
                             rows: RowSet = RowSet.TOKENS) -> bool:
         """Whether a projection of ``x``'s rows (those of ``rows``' layout) leaves its whole

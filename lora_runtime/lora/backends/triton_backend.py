@@ -29,13 +29,6 @@ class TritonBackend(LoRABackend):
 
         return self._route(("shrink", consumer, x.shape[0], weights.max_rank), decide)
 
-    def shrinks_in_producer(self, x, weights, consumer, rows=RowSet.TOKENS):
-        # After the routes ``forward_deferred`` takes first: the eager ones (``norm_shrink``
-        # is for graphs) and the delta beside the GEMM.
-        return (consumer == "silu_mul" and config.norm_shrink(x)
-                and not self.expand_beside(x, consumer) and self.ready_layout(rows) is not None
-                and self.fuses_expand(x, weights, consumer))
-
     def _route(self, key, decide):
         """``decide()``, once per key for an eager-prepared forward (its capture and tracer
         checks cost ~7 us a module on the H200 host; ``prepare`` starts a new memo), every
