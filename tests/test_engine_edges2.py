@@ -75,3 +75,14 @@ def test_the_warm_up_refuses_one_adapter_name_for_its_list():
         eng.warm_up(name)
     assert not eng.timeline and not eng.has_work
     assert eng.warm_up([name]).steps > 0
+
+
+def test_add_requests_names_the_prompt_it_refuses_and_queues_none():
+    """One empty prompt among many said "a request needs a non-empty prompt", naming none."""
+    w = _world()
+    eng = w.engine(SchedulerConfig())
+    with pytest.raises(ValueError, match=r"add_requests: prompt 2: a request needs a non-empty"):
+        eng.add_requests([[1, 2], [3], [], [4]], [None] * 4, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"add_requests: prompt 1: prompt token ids"):
+        eng.add_requests([[1], [10**9]], [None, None], max_new_tokens=2)
+    assert not eng.has_work

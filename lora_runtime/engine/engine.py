@@ -138,8 +138,12 @@ class Engine:
         """``add_request`` for each prompt with its adapter, all or none: every request is
         checked before any is queued."""
         check_batch_lists(prompts, adapters)
-        reqs = [self._checked(p, a, max_new_tokens, ())
-                for p, a in zip(prompts, adapters, strict=True)]
+        reqs = []
+        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
+            try:
+                reqs.append(self._checked(p, a, max_new_tokens, ()))
+            except (ValueError, TypeError) as e:  # which of many prompts was refused
+                raise type(e)(f"add_requests: prompt {i}: {e}") from None
         return [self._queue(r) for r in reqs]
 
     def _checked(self, prompt_ids, adapter, max_new_tokens, stop_ids) -> Request:
