@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.block_rows import load_block
+from kernels.block_rows import load_block, load_rank
 from kernels.checks import check, check_layout, check_weight_tables
 from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
@@ -27,13 +27,13 @@ from kernels.weights import LoRAWeights
 @triton.jit
 def _embedding_gather_kernel(
     ids_ptr, a_ptr, out_ptr, perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr,
-    vocab, stride_as, stride_av, stride_ar, stride_om, stride_or,
+    vocab, max_rank, stride_as, stride_av, stride_ar, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     blk = tl.program_id(0)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
                                            blk, BLOCK_M)
-    rank = tl.load(ranks_ptr + slot)
+    rank = load_rank(ranks_ptr + slot, max_rank)
     if (rank == 0) | empty:
         return
     ids = tl.load(ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
@@ -77,7 +77,7 @@ def _gather(token_ids, lora_a, ranks, permutation, block_slots, block_starts, bl
         return out
     launch(_embedding_gather_kernel, (block_slots.shape[0],),
         token_ids, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
-        lora_a.shape[1], *lora_a.stride(), *out.stride(),
+        lora_a.shape[1], max_rank, *lora_a.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_R=config.rank_block(max_rank),
     )
     return out

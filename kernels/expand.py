@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.block_rows import load_block
+from kernels.block_rows import load_block, load_rank
 from kernels.checks import (
     check,
     check_dtype,
@@ -72,7 +72,7 @@ def expand_program(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr, ranks_ptr
                                  COL_ALIGN)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
                                            tl.program_id(0), BLOCK_M)
-    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
+    rank = load_rank(ranks_ptr + slot * NUM_SLICES + sl, max_rank)
     idle = (rank == 0) | empty | (n_lo >= n_hi)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.block_rows import load_rank
 from kernels.checks import check
 from kernels.expand import check_expand_args, check_shrunk, lora_expand
 from kernels.row_lora import block_args, row_args
@@ -132,7 +133,7 @@ def block_shrink(x_ptr, la_ptr, ranks_ptr, max_rank, sentinel, K, stride_xm, str
     a = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     cur = tl.min(slots, 0)
     while cur < sentinel:
-        rank = tl.load(ranks_ptr + cur * NUM_SLICES + sl)
+        rank = load_rank(ranks_ptr + cur * NUM_SLICES + sl, max_rank)
         if rank > 0:
             a += shrink_rows(x_ptr, la_ptr, rows, m_mask & (slots == cur), cur,
                              sl * max_rank + offs_r, offs_r < rank, K, 0, K, stride_xm,
@@ -154,7 +155,7 @@ def lora_delta(a, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, st
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     cur = tl.min(slots, 0)
     while cur < sentinel:
-        rank = tl.load(ranks_ptr + cur * NUM_SLICES + sl)
+        rank = load_rank(ranks_ptr + cur * NUM_SLICES + sl, max_rank)
         if rank > 0:
             scale = tl.load(scal_ptr + cur * NUM_SLICES + sl)
             # B read up to max_rank (a mask the compiler vectorizes), ``a`` zeroed past the

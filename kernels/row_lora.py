@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
+from kernels.block_rows import load_rank
 from kernels.expand import check_expand_args
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args
@@ -142,8 +143,9 @@ def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank,
     rounded to B's dtype as the expand rounds it, zero past ``rank``; loaded from ``src``
     (``a``), or with ``SHRINK`` computed from ``src`` (``x``) and A over the whole K."""
     slot = tl.load(slots_ptr + row)
-    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
-    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl)
+    rank = load_rank(ranks_ptr + slot * NUM_SLICES + sl, max_rank)
+    # 0 for rank 0, as the expand skips the slot: a NaN scaling there added NaN (NaN * 0).
+    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl, mask=rank > 0, other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     if SHRINK:

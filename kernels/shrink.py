@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.block_rows import load_block
+from kernels.block_rows import load_block, load_rank
 from kernels.checks import check, check_dtype, check_layout, check_weight_tables
 from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
@@ -62,7 +62,7 @@ def _shrink_kernel(
     split = tl.program_id(2)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
                                            blk, BLOCK_M)
-    rank = tl.load(ranks_ptr + slot * NUM_SLICES + sl)
+    rank = load_rank(ranks_ptr + slot * NUM_SLICES + sl, max_rank)
     if (rank == 0) | empty:
         return
     offs_r = tl.arange(0, BLOCK_R)
