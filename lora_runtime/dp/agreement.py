@@ -17,6 +17,7 @@ call's ints as its own."""
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,21 +165,22 @@ def _call_name(tag: int) -> str:
     return CALLS[tag] if 0 <= tag < len(CALLS) else f"an unknown call (tag {tag})"
 
 
-def check_same_setup(dp: DPGroup, setup: dict[str, int]) -> None:
+def check_same_setup(dp: DPGroup, setup: dict[str, int | str]) -> None:
     """Raises on every rank where the ranks' ``setup`` values differ (they size the agreement's
     tensors and decide its collectives: a difference would abort gloo mid-step instead).
     Through the store, not a host all-gather: a rank that builds a DPEngine while its peers
     step (or unload, or warm up) would meet their all-gather with one of another size, and
     gloo aborted the process; now it raises after the timeout, naming the ranks that did not
     build it, and so do they (their all-gather times out)."""
-    said = exchange_through_store(dp, "DPEngine set-up check",
-                                  ",".join(str(int(v)) for v in setup.values()))
-    per_rank = [[int(v) for v in text.split(",")] for text in said]
+    said = exchange_through_store(dp, "DPEngine set-up check", json.dumps(
+        [v if isinstance(v, str) else int(v) for v in setup.values()]))
+    per_rank = [json.loads(text) for text in said]
     differ = {k: [row[i] for row in per_rank] for i, k in enumerate(setup)
               if len({row[i] for row in per_rank}) > 1}
     if differ:
         raise ValueError(f"{dp.name}: the ranks' engines differ in {differ} (values by rank): "
-                         "build every rank's DPEngine with the same SchedulerConfig, KV cache, "
+                         "build every rank's DPEngine with the same model (config, dtype and "
+                         "weights: the same checkpoint or seed), SchedulerConfig, KV cache, "
                          "graphs, slots and options")
 
 

@@ -67,7 +67,10 @@ class DPEngine(Engine):
                               "kv_tokens": self.kv.max_tokens,
                               "slots": self.scheduler.num_slots, "verify": int(verify),
                               "lora": int(self.lora is not None),
-                              "graphs": _graphs_signature(self.graphs)})
+                              "graphs": _graphs_signature(self.graphs),
+                              "model config": _crc(repr(runner.model.config)),
+                              "model dtype": str(next(runner.model.parameters()).dtype),
+                              "model weights": _replicated_weights_fingerprint(runner.model)})
         self.host = HostExchange(dp, c.max_batch_size, self.scheduler.num_slots)
         self.last: StepAgreement | None = None
         self._idle_with_work = 0
@@ -365,3 +368,24 @@ def _graphs_signature(graphs) -> int:
     the same bucket in a step: each must have it)."""
     text = repr(sorted((g.mode.value, tuple(g.buckets), g.captured) for g in graphs))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@torch.no_grad()
+def _replicated_weights_fingerprint(model: torch.nn.Module) -> int:
+    """A digest of the weights every rank holds whole (all but the sharded MLPs'), the same in
+    every process for the same weights: each tensor's bits summed as integers (exact, in any
+    order), one host read. Ranks built from other checkpoints or seeds served other tokens
+    with no error (each rank's MLP shard came from another model), and another layer count or
+    dtype aborted gloo mid-step ("Received data size doesn't match expected size")."""
+    sums = [p.detach().reshape(-1).view(_BITS[p.element_size()]).sum(dtype=torch.int64)
+            for n, p in model.named_parameters() if ".mlp." not in n]
+    if not sums:
+        return 0
+    return _crc(repr(torch.stack(sums).tolist()))
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
