@@ -272,6 +272,9 @@ class StaticSegmentLayout:
         self, max_rows: int, num_slots: int, block_m: int, neutral_slot: int, device
     ) -> None:
         check_block_m(block_m)
+        if max_rows < 0:  # torch.zeros named a "dimension size", not the argument
+            raise ValueError(f"max_rows must be >= 0 (the rows of the largest batch), got "
+                             f"{max_rows}")
         if not 0 <= neutral_slot < num_slots:
             raise ValueError(f"neutral_slot={neutral_slot} must be one of the {num_slots} slots "
                              f"0..{num_slots - 1} (num_slots counts the neutral one)")

@@ -167,6 +167,9 @@ def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayo
     check(a.device == x.device, lambda: f"lora_a is on {a.device} but x is on {x.device}")
     check(a.dim() == 3 and a.shape[2] == x.shape[1],
           lambda: f"lora_a must be [slots, slices*max_rank, {x.shape[1]}], got {tuple(a.shape)}")
+    # Not a zero-size launch: the K split divided by zero ("integer division or modulo").
+    check(x.shape[1] > 0, "x has no columns (in_features 0): a LoRA term of nothing; skip "
+          "the launch")
     check(a.shape[1] == weights.num_slices * weights.max_rank,
           lambda: f"lora_a has {a.shape[1]} rows; expected num_slices*max_rank = "
           f"{weights.num_slices}*{weights.max_rank}")

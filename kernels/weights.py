@@ -96,6 +96,8 @@ class LoRAWeights:
         device,
     ) -> LoRAWeights:
         _check_sizes(num_slots, max_rank, slice_widths)
+        if in_features < 1:
+            raise ValueError(f"in_features must be >= 1, got {in_features}")
         s = len(slice_widths)
         a = torch.zeros(num_slots, s * max_rank, in_features, dtype=dtype, device=device)
         b = torch.zeros(num_slots, sum(slice_widths), max_rank, dtype=dtype, device=device)

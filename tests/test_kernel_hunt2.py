@@ -101,3 +101,25 @@ def test_an_embedding_rank_past_max_rank_gathers_max_rank_columns():
     a = lora_embedding_shrink(torch.tensor([1, 2, 3], device=DEVICE), w, _layout([1, 0, 0]))
     want = torch.stack([w.lora_a[1, 1], w.lora_a[0, 2], w.lora_a[0, 3]]).float()
     assert torch.equal(a, want)
+
+
+def test_inputs_without_columns_are_named():
+    """``in_features`` 0 was taken, then the shrink's K split divided by zero
+    (``ZeroDivisionError: integer division or modulo by zero``)."""
+    with pytest.raises(ValueError, match="in_features must be >= 1, got 0"):
+        LoRAWeights.for_linear(2, 0, [8], 4, torch.float32, DEVICE)
+    w = LoRAWeights.for_linear(2, 4, [8], 4, torch.float32, DEVICE)
+    w.lora_a = w.lora_a[:, :, :0]
+    x, y = torch.zeros(5, 0, device=DEVICE), torch.zeros(5, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="x has no columns"):
+        lora_shrink(x, w, _layout())
+    with pytest.raises(ValueError, match="x has no columns"):
+        lora_shrink_expand(x, w, y, _layout())
+
+
+def test_a_static_layout_of_negative_rows_is_named():
+    from kernels import StaticSegmentLayout
+
+    with pytest.raises(ValueError, match="max_rows must be >= 0.*-1"):
+        StaticSegmentLayout(-1, 3, 16, neutral_slot=2, device=DEVICE)
+    assert StaticSegmentLayout(0, 3, 16, neutral_slot=2, device=DEVICE).view(0).num_rows == 0
