@@ -366,8 +366,7 @@ def _check_group(dp: DPGroup, what: str) -> None:
 def _graphs_signature(graphs) -> int:
     """The modes and buckets of an engine's graphs and whether each is captured (ranks replay
     the same bucket in a step: each must have it)."""
-    text = repr(sorted((g.mode.value, tuple(g.buckets), g.captured) for g in graphs))
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+    return _crc(repr(sorted((g.mode.value, tuple(g.buckets), g.captured) for g in graphs)))
 
 
 def _crc(text: str) -> int:
