@@ -16,6 +16,7 @@ from kernels import jit_watch
 from lora_runtime.dp.controller import DPController
 from lora_runtime.dp.dp_engine import DPEngine
 from lora_runtime.dp.group import init_dp, shutdown
+from lora_runtime.dp.launch import spawn
 from lora_runtime.dp.shard import shard_mlp
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
@@ -125,3 +126,14 @@ if __name__ == "__main__":  # one rank as its own process: python tests/dp_world
     import sys
 
     serve_rank(int(os.environ["RANK"]), int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])
+
+
+def spawned_logs(target, out_dir, stem: str, *args, timeout_s: float = 5.0,
+                 ranks: int = 2) -> list:
+    """Runs ``target(rank, *args, str(out_dir))`` on ``ranks`` gloo ranks, each of which saves
+    its log as ``{stem}{rank}.pt`` in ``out_dir``; within a minute (the collectives'
+    ``timeout_s`` bounds a hang), then loads the logs."""
+    t0 = time.monotonic()
+    spawn(target, ranks, *args, str(out_dir), timeout_s=timeout_s)
+    assert time.monotonic() - t0 < 60
+    return [torch.load(Path(out_dir) / f"{stem}{r}.pt") for r in range(ranks)]

@@ -341,7 +341,8 @@ MUTANTS = [
            "generate() queues its prompts one by one: a refused one leaves the earlier queued",
            "lora_runtime/engine/engine.py",
            (("                reqs.append(self._checked(p, a, max_new_tokens, ()))\n",
-             "                reqs.append(self.add_request(p, a, max_new_tokens=max_new_tokens))\n"),
+             "                reqs.append(self.add_request(p, a, "
+             "max_new_tokens=max_new_tokens))\n"),
             ("        return [self._queue(r) for r in reqs]\n", "        return reqs\n")),
            ("tests/test_engine_limits.py::test_generate_refuses_all_its_prompts_or_none",)),
     Mutant("dp_rank_runs_ahead_alone",

@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 from dp_control_world import _sharded_runner
-from dp_world import CONFIG, MAX_RANK, adapters
+from dp_world import CONFIG, MAX_RANK, adapters, spawned_logs
 from engine_world import compare_with_alone, run_alone
 from runtime_helpers import ALL_TARGETS, make_runtime
 
 from lora_runtime.dp.dp_engine import DPEngine
 from lora_runtime.dp.group import init_dp, shutdown
-from lora_runtime.dp.launch import spawn
 from lora_runtime.engine.scheduler import SchedulerConfig
 
 CPU = torch.device("cpu")
@@ -115,10 +114,7 @@ def hunt_rank(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hunt3")
-    t0 = time.monotonic()
-    spawn(hunt_rank, 2, str(out), timeout_s=5.0)
-    assert time.monotonic() - t0 < 60
-    logs = [torch.load(out / f"hunt{r}.pt") for r in range(2)]
+    logs = spawned_logs(hunt_rank, out, "hunt")
     for rank, log in enumerate(logs):
         assert "start error" not in log, f"rank {rank}: {log['start error']}"
     return logs

@@ -9,19 +9,17 @@ match expected size", SIGABRT). Ranks built alike still serve the single-engine 
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from dp_world import CONFIG, MAX_RANK, SLOTS, adapters
+from dp_world import CONFIG, MAX_RANK, SLOTS, adapters, spawned_logs
 from engine_world import compare_with_alone, run_alone
 from runtime_helpers import ALL_TARGETS, make_runtime
 
 from lora_runtime.dp.dp_engine import DPEngine
 from lora_runtime.dp.group import init_dp, shutdown
-from lora_runtime.dp.launch import spawn
 from lora_runtime.dp.shard import shard_mlp
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.engine.model_runner import ModelRunner
@@ -73,10 +71,7 @@ def models_rank(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hunt4")
-    t0 = time.monotonic()
-    spawn(models_rank, 2, str(out), timeout_s=5.0)
-    assert time.monotonic() - t0 < 60
-    logs = [torch.load(out / f"models{r}.pt") for r in range(2)]
+    logs = spawned_logs(models_rank, out, "models")
     for rank, log in enumerate(logs):
         assert "error" not in log, f"rank {rank}: {log['error']}"
     return logs
