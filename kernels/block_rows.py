@@ -23,4 +23,10 @@ def load_rank(rank_ptr, max_rank):
     ``0..max_rank``: an entry past ``max_rank`` (a table set by hand) read A rows of the next
     slice or slot and wrote ``a`` columns past its slice, past the output row at the last
     slice (heap corruption); a negative one counts as rank 0, as in the torch reference."""
-    return tl.minimum(tl.maximum(tl.load(rank_ptr), 0), max_rank)
+    return clamp_rank(tl.load(rank_ptr), max_rank)
+
+
+@triton.jit
+def clamp_rank(rank, max_rank):
+    """Ranks-table values (a scalar or a vector) clamped to ``0..max_rank``."""
+    return tl.minimum(tl.maximum(rank, 0), max_rank)

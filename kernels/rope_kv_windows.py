@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
+from kernels.block_rows import clamp_rank
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import FUSE_BLOCK_M, lora_rows
 from kernels.rotary import q_out, rotate_halves
@@ -35,10 +36,9 @@ def _row_slice(a_ptr, rows, m_mask, slots, ranks_ptr, scal_ptr, sl, max_rank, st
     it undefined), the rank and the scaling (zero for the neutral slot's rank 0 and for
     padding past the window). Loaded before the slot walk, so the walk's steps wait on B's
     loads alone."""
-    # Clamped to 0..max_rank, as ``kernels.block_rows.load_rank`` (an entry past it read
-    # the next slice's ``a``).
-    rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slots * 3 + sl, mask=m_mask, other=0), 0),
-                      max_rank)
+    # Clamped as ``kernels.block_rows.load_rank`` clamps (an entry past max_rank read the
+    # next slice's ``a``).
+    rank = clamp_rank(tl.load(ranks_ptr + slots * 3 + sl, mask=m_mask, other=0), max_rank)
     scale = tl.load(scal_ptr + slots * 3 + sl, mask=m_mask & (rank > 0), other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
     a = tl.load(a_ptr + rows[:, None] * stride_am + (sl * max_rank + offs_r)[None, :]
