@@ -81,6 +81,16 @@ def check_out_file(parser: argparse.ArgumentParser, flag: str, path: Path) -> No
         parser.error(f"{flag} {path}: the folder {folder} is not writable; give a writable path")
 
 
+def nonempty_path(text: str) -> Path:
+    """An argparse ``type``: a path that is not empty. ``Path("")`` is the current folder:
+    ``--out "$DIR"`` with ``DIR`` unset wrote a run's result files into the working
+    directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (read as the current folder): give "
+                                         "a path")
+    return Path(text)
+
+
 def existing_file(text: str) -> Path:
     """An argparse ``type``: a file that exists."""
     path = Path(text)

@@ -28,6 +28,7 @@ import torch
 import kernels  # noqa: F401  (selects the Triton interpreter on CPU before kernels load)
 from bench import case as case_mod
 from bench import hardware, provenance, results, table, timing
+from bench.args import nonempty_path
 from bench.context import Context
 from bench.profiles import PROFILES
 from bench.progress import Progress
@@ -54,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "labels as printed by --list, e.g. 'kernels qkv_proj T=16 adapters=8 "
                         "r=16' or 'model decode llama3-8b L=4 ctx=256 bs=8 adapters=4 r=16'")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+    p.add_argument("--out", type=nonempty_path, default=None, metavar="DIR",
                    help="folder for this run's result files and report (default: a new "
                         "results/runs/<YYYYmmdd-HHMMSS>-<device>/, git-ignored)")
     p.add_argument("--publish", action="store_true",

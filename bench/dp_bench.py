@@ -302,6 +302,10 @@ def check_out(p: argparse.ArgumentParser, out: Path) -> None:
     """Before any rank starts: the result file can be written and, where it exists, read (the
     run adds its rows to it)."""
     check_out_file(p, "--out", out)
+    if out.suffix != ".json":  # written anyway, then refused by bench.report and by the next
+        # run into it as not a result file
+        p.error(f"--out {out}: result files end in .json (bench.report and the next run read "
+                f"them by it): give e.g. {out.with_suffix('.json')}")
     if out.exists():
         try:
             results.load(out)
@@ -348,18 +352,31 @@ def main(argv=None) -> int:
         part = args.out.with_suffix(f".dp{size}.json")
         run_rank(int(os.environ["RANK"]), size, opts, str(part))
         if int(os.environ["RANK"]) == 0:
-            results.upsert(args.out, _run_record(argv), json.loads(part.read_text()))
+            rows = json.loads(part.read_text())
+            results.upsert(args.out, _run_record(argv), rows)
             part.unlink()
             print(f"wrote {args.out}")
+            return _exit_status(rows)
         return 0
-    run = _run_record(argv)
+    run, rows = _run_record(argv), []
     for size in args.sizes or [1, 2]:
         part = args.out.with_suffix(f".dp{size}.json")
         spawn(run_rank, size, size, opts, str(part), timeout_s=args.timeout)
-        results.upsert(args.out, run, json.loads(part.read_text()))
+        new = json.loads(part.read_text())
+        results.upsert(args.out, run, new)
+        rows += new
         part.unlink()
     print(f"wrote {args.out}")
-    return 0
+    return _exit_status(rows)
+
+
+def _exit_status(rows: list[dict]) -> int:
+    """1 when a case failed its verification, naming each (a run whose cases failed exited 0,
+    as if every row were good), as ``python -m bench`` does."""
+    bad = [r for r in rows if r["verification"]["status"] == "failed"]
+    for r in bad:
+        print(f"FAILED {r['label']}: {r['verification']['error']}", flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 
 from bench import case as case_mod
 from bench import cli, provenance, results
+from bench.args import nonempty_path
 from bench.profiles import PROFILES
 
 
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
                                   "bench --list)")
     p.add_argument("--profile", default="auto", choices=("auto", *PROFILES),
                    help="bench profile (default: auto)")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR")
+    p.add_argument("--out", type=nonempty_path, default=None, metavar="DIR")
     p.add_argument("--torch", action="store_true", help="use the torch profiler even with nsys")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -103,6 +104,11 @@ def _nsys(nsys: str, bench_args: list[str], out: Path) -> int:
             print(stats.stdout)
             (out / "ranges.txt").write_text(stats.stdout)
             break
+    else:  # the summary was left out without a word
+        why = (stats.stderr or stats.stdout).strip()[-1000:] or f"exit status {stats.returncode}"
+        print(f"no per-range summary: nsys stats --report {reports} failed ({why}); the nsys "
+              "report holds the ranges: open it in Nsight Systems or run nsys stats on it",
+              flush=True)
     print(f"nsys report: {rep}.nsys-rep (open in Nsight Systems)")
     return 0
 

@@ -19,19 +19,22 @@ from bench import telemetry
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _git(*args: str) -> str:
+def _git(*args: str) -> str | None:
+    """The command's output, or None where git failed (not installed, not a repository, a
+    repository git refuses as of dubious ownership): no output is not a clean tree."""
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def _sha() -> str:
     # A copy of the tree on another machine may carry a stale .git: the environment wins.
     if os.environ.get("MULTILORA_GIT_SHA"):
         return os.environ["MULTILORA_GIT_SHA"]
-    sha = _git("rev-parse", "--verify", "HEAD")
+    sha = _git("rev-parse", "--verify", "HEAD") or ""
     if re.fullmatch(r"[0-9a-f]{40}", sha):
         return sha
     return os.environ.get("MULTILORA_GIT_SHA", "unknown")
@@ -40,7 +43,8 @@ def _sha() -> str:
 def _dirty() -> bool | None:
     if not (ROOT / ".git").exists():
         return None  # a copy without .git: unknown
-    return bool(_git("status", "--porcelain", "--untracked-files=no"))
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)  # git failed: unknown, not clean
 
 
 def device_name(device: torch.device) -> str:

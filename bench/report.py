@@ -174,7 +174,8 @@ def kernel_headline(rows: list[dict]) -> str:
 
 def with_device(rows: list[dict], runs: dict) -> list[dict]:
     """Rows with their run's device, so rows of different devices are never one case."""
-    return [r | {"device": runs.get(r.get("run_id"), {}).get("device", "")} for r in rows]
+    return [r | {"device": runs.get(r.get("run_id"), {}).get("device") or ""}  # null: unknown
+            for r in rows]
 
 
 def per_device(rows: list[dict], section) -> str:

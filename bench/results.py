@@ -149,8 +149,8 @@ def rows_of(paths: list[Path], note=None) -> tuple[list[dict], dict]:
             for rid, run in data["runs"].items():
                 # One run writes one file per suite, each recording the suites done so far:
                 # keep every suite's seconds whichever file is read last.
-                seconds = {**runs.get(rid, {}).get("suite_seconds", {}),
-                           **run.get("suite_seconds", {})}
+                seconds = {**(runs.get(rid, {}).get("suite_seconds") or {}),
+                           **(run.get("suite_seconds") or {})}  # null: none recorded
                 runs[rid] = run | ({"suite_seconds": seconds} if seconds else {})
     if skipped:
         (note or _stderr)(f"skipped {len(skipped)} JSON files that are not result files: "
