@@ -141,7 +141,7 @@ class DPEngine(Engine):
         self._check_in_step()
         self._finish_inflight()
         try:
-            check_warm_up(self, adapters)
+            adapters = check_warm_up(self, adapters)  # read once (a generator's used up)
             error = None
         except (RuntimeError, ValueError) as e:
             error = e

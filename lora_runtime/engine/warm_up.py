@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,7 +96,15 @@ def check_warm_up(engine: Engine, adapters: Sequence[str | None] | None
     if isinstance(adapters, str):  # would be read one adapter a letter
         raise ValueError(f"warm_up takes a list of adapter names (None: the base model), got "
                          f"the string {adapters!r}: pass [{adapters!r}]")
-    if adapters is None:
+    if adapters is not None:
+        if not isinstance(adapters, Iterable):  # 5 raised "'int' object is not iterable"
+            raise ValueError(f"warm_up takes a list of adapter names (None: the base model), "
+                             f"got {type(adapters).__name__} {adapters!r:.80}: pass a list, "
+                             "e.g. [name, None]")
+        # Read once: a generator was used up by the check below, and the warm-up then served
+        # the base model alone (none of its adapters' kernel variants compiled).
+        adapters = list(adapters)
+    else:
         slots = engine.lora.config.max_loras_per_batch if engine.lora is not None else 0
         pinned = set(engine.lora.pool.pinned) if engine.lora is not None else set()
         # Pinned ones first: when they hold every slot, no other adapter could run.
@@ -104,6 +112,9 @@ def check_warm_up(engine: Engine, adapters: Sequence[str | None] | None
             if engine.lora is not None else []
         adapters = [*loaded[:slots], None]
     for a in adapters:
+        if a is not None and not isinstance(a, str):  # a list raised "unhashable type"
+            raise ValueError(f"warm_up: adapters holds {type(a).__name__} {a!r:.80}, not an "
+                             "adapter's name (str) or None (the base model)")
         if a is not None and (engine.lora is None or a not in engine.lora.adapters):
             raise ValueError(f"warm_up: adapter {a!r} is not loaded; load it first")
     return list(adapters)

@@ -8,6 +8,7 @@ Arrivals: ``offline`` (all at time 0: throughput) or ``poisson`` at ``rate`` req
 from __future__ import annotations
 
 import math
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -48,7 +49,16 @@ class WorkloadSpec:
             raise ValueError(f"popularity {self.popularity!r}: choose one of {POPULARITY}")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival {self.arrival!r}: choose one of {ARRIVALS}")
-        if self.arrival == "poisson" and not (0 < self.rate < math.inf):
+        for name in ("rate", "zipf_alpha"):
+            # A string ("5", from a config file) failed in the comparisons below with "'<' not
+            # supported between instances of 'int' and 'str'"; True passed as 1.
+            x = getattr(self, name)
+            if not isinstance(x, numbers.Real) or isinstance(x, bool):
+                raise ValueError(f"{name} must be a number, got {type(x).__name__} {x!r:.80}")
+        # A rate so small that its mean gap 1 / rate overflows (1e-320) drew every arrival at
+        # inf, which serve() then refused.
+        if self.arrival == "poisson" and not (0 < self.rate < math.inf
+                                              and math.isfinite(1 / self.rate)):
             raise ValueError(f"poisson arrivals need a finite rate > 0 (requests per second), "
                              f"got {self.rate!r}")
         if not 0 <= self.zipf_alpha < math.inf:
