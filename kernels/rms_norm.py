@@ -58,18 +58,19 @@ def _add_rms_norm_lora_kernel(
     stride_as: tl.constexpr, stride_ar: tl.constexpr, stride_ak: tl.constexpr,
     stride_bs: tl.constexpr, stride_bn: tl.constexpr, stride_br: tl.constexpr,
     NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr, NEUTRAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    a, slot, rank, scale = row_lora_a(
+    a, slot, live, scale = row_lora_a(
         slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K, stride_s0,
-        stride_s1, stride_as, stride_ar, stride_ak, row, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+        stride_s1, stride_as, stride_ar, stride_ak, row, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+        NEUTRAL)
     sq = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, cols, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + row_lora_term(a, b_ptr, slot, rank, scale, offs, mask,
+        x = (x.to(tl.float32) + row_lora_term(a, b_ptr, slot, live, scale, offs, mask,
                                               stride_bs, stride_bn, stride_br, max_rank,
                                               BLOCK_R)
              ).to(x.dtype)
@@ -177,7 +178,7 @@ def _add_rms_norm_lora_op(
     slots: torch.Tensor, src: torch.Tensor, la: torch.Tensor, b: torch.Tensor,
     ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
     s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int,
-    BLOCK_R: int, SHRINK: bool, BLOCK_K: int,
+    BLOCK_R: int, SHRINK: bool, BLOCK_K: int, NEUTRAL: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, summed = norm_out(x, weight), torch.empty_like(x)
     if x.shape[0]:
@@ -189,7 +190,7 @@ def _add_rms_norm_lora_op(
             x, residual, weight, out, summed, x.shape[1], eps, x.stride(0), residual.stride(0),
             out.stride(0), summed.stride(0), slots, src, la, b, ranks, scalings, max_rank, K,
             s_s0, s_s1, s_as, s_ar, s_ak, s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES,
-            BLOCK_R=BLOCK_R, SHRINK=SHRINK, BLOCK_K=BLOCK_K, BLOCK=block,
+            BLOCK_R=BLOCK_R, SHRINK=SHRINK, BLOCK_K=BLOCK_K, NEUTRAL=NEUTRAL, BLOCK=block,
             num_warps=config.row_shrink_warps() if SHRINK else 4)
     return out, summed
 

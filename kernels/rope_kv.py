@@ -95,13 +95,13 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_ptr, v
 
 
 @triton.jit
-def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, a, slot, rank, scale,
+def _head_with_lora(qkv_ptr, row_off, col, offs_d, d_mask, half, a, slot, live, scale,
                     b_ptr, stride_bs, stride_bn, stride_br, max_rank, BLOCK_R: tl.constexpr):
     """Halves (lo, hi) of the head vector at column ``col`` of a qkv row, its slice's LoRA
-    term (``row_lora_a``'s ``a, slot, rank, scale``) added and rounded as the expand rounds
+    term (``row_lora_a``'s ``a, slot, live, scale``) added and rounded as the expand rounds
     it."""
     ptr = qkv_ptr + row_off + col + offs_d
-    lora = (b_ptr, slot, rank, scale)
+    lora = (b_ptr, slot, live, scale)
     strides = (stride_bs, stride_bn, stride_br)
     lo = tl.load(ptr, mask=d_mask, other=0.0)
     hi = tl.load(ptr + half, mask=d_mask, other=0.0)
@@ -121,7 +121,7 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
                          stride_ar: tl.constexpr, stride_ak: tl.constexpr,
                          stride_bs: tl.constexpr, stride_bn: tl.constexpr, stride_br: tl.constexpr,
                          NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
-                         SHRINK: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SHRINK: tl.constexpr, BLOCK_K: tl.constexpr, NEUTRAL: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, GROUP: tl.constexpr):
     """Grid (tokens, cdiv(heads, GROUP) + cdiv(kv_heads, GROUP)): the first programs rotate
     q heads, GROUP each; the others rotate k heads and copy v heads into the caches, GROUP
@@ -137,31 +137,34 @@ def _rope_kv_lora_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, loc_ptr, q_ptr, k_p
     row = t * stride_qkv
     q_programs = tl.cdiv(heads, GROUP)
     if p < q_programs:
-        a, slot, rank, scale = row_lora_a(*lora, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+        a, slot, live, scale = row_lora_a(*lora, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+                                          NEUTRAL)
         for i in tl.static_range(GROUP):
             h = p * GROUP + i
             if h < heads:
                 lo, hi = _head_with_lora(qkv_ptr, row, h * 2 * half, offs_d, d_mask, half, a,
-                                         slot, rank, scale, *b, max_rank, BLOCK_R)
+                                         slot, live, scale, *b, max_rank, BLOCK_R)
                 lo, hi = rotate_halves(lo, hi, cos, sin)
                 out = q_ptr + t * stride_q + h * 2 * half + offs_d
                 tl.store(out, lo, mask=d_mask)
                 tl.store(out + half, hi, mask=d_mask)
     else:
-        a, slot, rank, scale = row_lora_a(*lora, 1, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
-        a_v, _, rank_v, scale_v = row_lora_a(*lora, 2, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+        a, slot, live, scale = row_lora_a(*lora, 1, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+                                          NEUTRAL)
+        a_v, _, _, scale_v = row_lora_a(*lora, 2, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+                                        NEUTRAL)
         cache_slot = tl.load(loc_ptr + t).to(tl.int64)
         for i in tl.static_range(GROUP):
             j = (p - q_programs) * GROUP + i
             if j < kv_heads:
                 lo, hi = _head_with_lora(qkv_ptr, row, (heads + j) * 2 * half, offs_d, d_mask,
-                                         half, a, slot, rank, scale, *b, max_rank, BLOCK_R)
+                                         half, a, slot, live, scale, *b, max_rank, BLOCK_R)
                 lo, hi = rotate_halves(lo, hi, cos, sin)
                 out = k_ptr + cache_slot * stride_k + j * 2 * half + offs_d
                 tl.store(out, lo, mask=d_mask)
                 tl.store(out + half, hi, mask=d_mask)
                 v_lo, v_hi = _head_with_lora(qkv_ptr, row, (heads + kv_heads + j) * 2 * half,
-                                             offs_d, d_mask, half, a_v, slot, rank_v, scale_v,
+                                             offs_d, d_mask, half, a_v, slot, live, scale_v,
                                              *b, max_rank, BLOCK_R)
                 dst = v_ptr + cache_slot * stride_v + j * 2 * half + offs_d
                 tl.store(dst, v_lo, mask=d_mask)
@@ -256,7 +259,8 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                      la: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
                      scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
                      s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int,
-                     NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int) -> torch.Tensor:
+                     NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int,
+                     NEUTRAL: int) -> torch.Tensor:
     q = q_out(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
@@ -267,7 +271,7 @@ def _rope_kv_lora_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
             s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
-            BLOCK_K=BLOCK_K, BLOCK_HALF=config.next_pow2(half), GROUP=group,
+            BLOCK_K=BLOCK_K, NEUTRAL=NEUTRAL, BLOCK_HALF=config.next_pow2(half), GROUP=group,
             num_warps=config.row_shrink_warps() if SHRINK else 2)
     return q
 

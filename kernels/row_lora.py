@@ -17,7 +17,8 @@ the layout's ``token_slots`` and adds ``scaling * round(a) @ B[slot, cols]^T`` t
   low-rank row of a high-rank pool loads only its own chunks.
 
 Hazard: a row of the neutral slot has rank 0, and the neutral slot has no A or B row: every
-A and B load is masked by the rank, and the shrink computes no chunk for rank 0.
+A load is masked by the rank (the shrink computes no chunk for rank 0), every B load by the
+slot (``live``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from kernels.weights import LoRAWeights
 
 def row_args(src: torch.Tensor, weights: LoRAWeights, shrink: bool) -> tuple:
     """What a by-rows consumer's op takes after its own arguments but the layout's
-    ``token_slots`` (``row_lora_a`` order, then NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K; the B
-    strides after A's): ``src`` is ``a`` (``shrink`` False) or the projection's input."""
+    ``token_slots`` (``row_lora_a`` order, then NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+    NEUTRAL; the B strides after A's): ``src`` is ``a`` (``shrink`` False) or the
+    projection's input."""
     c = _constants(weights)
     k = src.shape[1] if shrink else 0
     return (src, *c[:5], k, src.stride(0), src.stride(1), *c[5:], shrink,
-            config.row_shrink_k_block(c[-1], max(k, 1)))
+            config.row_shrink_k_block(c[-1], max(k, 1)), weights.neutral_slot)
 
 
 def block_args(src: torch.Tensor, weights: LoRAWeights, layout: SegmentLayout,
@@ -138,16 +140,22 @@ _RANK_CHUNK = tl.constexpr(config.ROW_RANK_CHUNK)
 def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K,
                stride_s0, stride_s1, stride_as, stride_ar, stride_ak, row, sl,
                NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
-               BLOCK_K: tl.constexpr, RANK_CHUNK: tl.constexpr = _RANK_CHUNK):
-    """``(a, slot, rank, scaling)`` of row ``row``'s slice ``sl``: ``a`` fp32 ``[BLOCK_R]``,
-    rounded to B's dtype as the expand rounds it, zero past ``rank``; loaded from ``src``
-    (``a``), or with ``SHRINK`` computed from ``src`` (``x``) and A over the whole K."""
+               BLOCK_K: tl.constexpr, NEUTRAL: tl.constexpr,
+               RANK_CHUNK: tl.constexpr = _RANK_CHUNK):
+    """``(a, slot, live, scaling)`` of row ``row``'s slice ``sl``: ``a`` fp32 ``[BLOCK_R]``,
+    rounded to B's dtype as the expand rounds it, zero past the slot's rank; loaded from
+    ``src`` (``a``), or with ``SHRINK`` computed from ``src`` (``x``) and A over the whole K.
+    ``live``: the slot has B rows (not the neutral slot ``NEUTRAL``).
+
+    A decode consumer waits on this chain of loads: the slot, then its rank, scaling and B
+    (``row_lora_term``), so none of them may wait on the rank too; a pending ``a`` loads
+    beside the slot (its address is the row's) and is zeroed past the rank afterwards."""
     slot = tl.load(slots_ptr + row)
     rank = load_rank(ranks_ptr + slot * NUM_SLICES + sl, max_rank)
     # 0 for rank 0, as the expand skips the slot: a NaN scaling there added NaN (NaN * 0).
-    scale = tl.load(scal_ptr + slot * NUM_SLICES + sl, mask=rank > 0, other=0.0)
+    # Every slot, the neutral one too, has a scaling entry.
+    scale = tl.where(rank > 0, tl.load(scal_ptr + slot * NUM_SLICES + sl), 0.0)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
     if SHRINK:
         x_row = src_ptr + row * stride_s0
         a_slot = la_ptr + slot.to(tl.int64) * stride_as + sl * max_rank * stride_ar
@@ -159,8 +167,10 @@ def row_lora_a(slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank,
                                        BLOCK_R, BLOCK_R, BLOCK_K)
     else:
         a = tl.load(src_ptr + row * stride_s0 + (sl * max_rank + offs_r) * stride_s1,
-                    mask=r_mask, other=0.0)
-    return a.to(b_ptr.dtype.element_ty).to(tl.float32), slot, rank, scale
+                    mask=offs_r < max_rank, other=0.0)
+        # a select, not a product: the shrink leaves columns past the rank unwritten
+        a = tl.where(offs_r < rank, a, 0.0)
+    return a.to(b_ptr.dtype.element_ty).to(tl.float32), slot, slot < NEUTRAL, scale
 
 
 @triton.jit
@@ -188,14 +198,15 @@ def _shrink_by_rank_chunks(x_row, a_slot, rank, K, stride_x, stride_ar, stride_a
 
 
 @triton.jit
-def row_lora_term(a, b_ptr, slot, rank, scale, offs_n, n_mask, stride_bs, stride_bn, stride_br,
+def row_lora_term(a, b_ptr, slot, live, scale, offs_n, n_mask, stride_bs, stride_bn, stride_br,
                   max_rank, BLOCK_R: tl.constexpr):
-    """fp32 ``[BLOCK_N]``: ``scale * a @ B[slot, offs_n]^T`` (zero for rank 0)."""
+    """fp32 ``[BLOCK_N]``: ``scale * a @ B[slot, offs_n]^T`` (zero for rank 0); ``live``:
+    the slot has B rows (``row_lora_a``)."""
     offs_r = tl.arange(0, BLOCK_R)
     # B read up to max_rank (a mask the compiler vectorizes; ``a`` is zero past the rank, B's
-    # columns there finite by LoRAWeights' contract); nothing for rank 0 (the neutral slot
-    # has no B).
-    r_mask = tl.where(rank > 0, offs_r < max_rank, False)  # not `&`: the interpreter rejects it
+    # columns there finite by LoRAWeights' contract, a rank-0 slot's too); nothing for the
+    # neutral slot, which has no B.
+    r_mask = tl.where(live, offs_r < max_rank, False)  # not `&`: the interpreter rejects it
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn
                 + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
     return scale * tl.sum(b.to(tl.float32) * a[None, :], axis=1)

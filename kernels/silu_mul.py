@@ -100,25 +100,27 @@ def _silu_mul_lora_rows_kernel(
     stride_as: tl.constexpr, stride_ar: tl.constexpr, stride_ak: tl.constexpr,
     stride_bs: tl.constexpr, stride_bn: tl.constexpr, stride_br: tl.constexpr,
     NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, SHRINK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_K: tl.constexpr, NEUTRAL: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
     """Grid (rows, column groups): a program's ``a`` (both slices) serves ``TILES`` tiles of
     ``BLOCK_N`` columns."""
     row = tl.program_id(0).to(tl.int64)
     lora = (slots_ptr, src_ptr, la_ptr, b_ptr, ranks_ptr, scal_ptr, max_rank, K, stride_s0,
             stride_s1, stride_as, stride_ar, stride_ak, row)
-    a_g, slot_g, rank_g, scale_g = row_lora_a(*lora, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
-    a_u, slot_u, rank_u, scale_u = row_lora_a(*lora, 1, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K)
+    a_g, slot, live, scale_g = row_lora_a(*lora, 0, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+                                          NEUTRAL)
+    a_u, _, _, scale_u = row_lora_a(*lora, 1, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K,
+                                    NEUTRAL)
     for i in range(TILES):
         offs = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < inter
         gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
         gate = (gate.to(tl.float32) + row_lora_term(
-            a_g, b_ptr, slot_g, rank_g, scale_g, offs, mask, stride_bs, stride_bn, stride_br,
+            a_g, b_ptr, slot, live, scale_g, offs, mask, stride_bs, stride_bn, stride_br,
             max_rank, BLOCK_R)).to(gate.dtype)
         up = (up.to(tl.float32) + row_lora_term(
-            a_u, b_ptr, slot_u, rank_u, scale_u, inter + offs, mask, stride_bs, stride_bn,
+            a_u, b_ptr, slot, live, scale_u, inter + offs, mask, stride_bs, stride_bn,
             stride_br, max_rank, BLOCK_R)).to(gate.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
@@ -218,7 +220,7 @@ def _silu_mul_lora_rows_op(
     gate_up: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, la: torch.Tensor,
     b: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, K: int,
     s_s0: int, s_s1: int, s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int,
-    NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int,
+    NUM_SLICES: int, BLOCK_R: int, SHRINK: bool, BLOCK_K: int, NEUTRAL: int,
 ) -> torch.Tensor:
     out = _out(gate_up)
     rows, inter = out.shape
@@ -231,7 +233,7 @@ def _silu_mul_lora_rows_op(
             gate_up, out, inter, gate_up.stride(0), out.stride(0),
             slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
             s_bs, s_bn, s_br, NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK,
-            BLOCK_K=BLOCK_K, BLOCK_N=block_n, TILES=per_program,
+            BLOCK_K=BLOCK_K, NEUTRAL=NEUTRAL, BLOCK_N=block_n, TILES=per_program,
             num_warps=config.row_shrink_warps() if SHRINK else 4)
     return out
 

@@ -407,12 +407,16 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: rows > 8)
         monkeypatch.setattr(config, "unshrunk_by_rows", lambda rows, rank: rows <= 8)
         windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
-        shrinks = lambda a: a[-2] is True  # noqa: E731  (the ops' SHRINK argument)
-        calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op", when=shrinks)
+        # the ops' SHRINK argument: before BLOCK_K (by blocks), before BLOCK_K, NEUTRAL (rows)
+        shrinks = lambda a: a[-2] is True  # noqa: E731
+        row_shrinks = lambda a: a[-3] is True  # noqa: E731
+        calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op",
+                             when=row_shrinks)
         blocks_calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op", when=shrinks)
-        rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op", when=shrinks)
+        rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op",
+                                  when=row_shrinks)
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
-                                  when=shrinks)
+                                  when=row_shrinks)
         one_launch = _count_calls(monkeypatch, shrink_expand_module, "_shrink_expand_op")
     elif epilogue == "delta":  # every projection's term as a delta, added by the next kernel
         monkeypatch.setattr(config, "delta_beside", lambda x, route: routes.add(route) or True)
@@ -423,7 +427,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_rows_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
-                                  when=lambda a: a[-2] is False)
+                                  when=lambda a: a[-3] is False)
     else:  # graphs by blocks (qkv's, o_proj's and down's expand separate); eager forwards
         # leave those three to RoPE and the norm by rows (``config.EAGER_EPILOGUE_MAX_ROWS``)
         monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9)
@@ -436,7 +440,7 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
         calls = _count_calls(monkeypatch, silu_module, "_silu_mul_lora_op")
         rope_calls = _count_calls(monkeypatch, rope_module, "_rope_kv_lora_op")
         norm_calls = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
-                                  when=lambda a: a[-2] is False)
+                                  when=lambda a: a[-3] is False)
     with use_base_backend("triton"):
         h = Harness("triton", DEVICE, decode_buckets=[4], max_context=16, prefill_buckets=[24],
                     max_requests=4, slots=3, max_rank=8, dtype=torch.float32)
