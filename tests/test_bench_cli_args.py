@@ -10,23 +10,11 @@ import json
 import mutants
 import pytest
 import torch
+from cli_checks import never, usage_error
 
 from bench import attention_bench, base_step_bench, dp_bench, route_ab, serve_phases, sweep
 from bench.host import __main__ as host_main
 from bench.host import compare
-
-
-def _never(*args, **kwargs):
-    raise AssertionError("the tool started its work before refusing its arguments")
-
-
-def _usage_error(capsys, fn, argv, says: str) -> None:
-    with pytest.raises(SystemExit) as e:
-        fn(argv)
-    assert e.value.code == 2, e.value.code
-    err = capsys.readouterr().err
-    assert says in err, err
-
 
 DP = ["--preset", "tiny", "--layers", "1", "--requests-per-rank", "1", "--prompt", "4",
       "--output", "2", "--max-batch", "2"]
@@ -44,16 +32,16 @@ DP = ["--preset", "tiny", "--layers", "1", "--requests-per-rank", "1", "--prompt
     (["--timeout", "1e-9"], "--timeout: timeout_s must be a number of seconds from 0.001"),
 ])
 def test_dp_bench_refuses_bad_sizes_before_spawning(monkeypatch, capsys, tmp_path, argv, says):
-    monkeypatch.setattr(dp_bench, "spawn", _never)
-    _usage_error(capsys, dp_bench.main, DP + argv + ["--out", str(tmp_path / "dp.json")], says)
+    monkeypatch.setattr(dp_bench, "spawn", never)
+    usage_error(capsys, dp_bench.main, DP + argv + ["--out", str(tmp_path / "dp.json")], says)
 
 
 def test_dp_bench_refuses_an_out_it_could_not_write_before_spawning(monkeypatch, capsys,
                                                                     tmp_path):
-    monkeypatch.setattr(dp_bench, "spawn", _never)
-    _usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path / "no" / "dp.json")],
+    monkeypatch.setattr(dp_bench, "spawn", never)
+    usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path / "no" / "dp.json")],
                  "does not exist")
-    _usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path)], "is a folder")
+    usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path)], "is a folder")
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -69,7 +57,7 @@ def test_dp_bench_refuses_an_out_it_could_not_write_before_spawning(monkeypatch,
     (["--device", "foo"], "argument --device: 'foo' is not a torch device"),
 ])
 def test_route_ab_refuses_bad_values_at_parse(capsys, argv, says):
-    _usage_error(capsys, route_ab.parse_args,
+    usage_error(capsys, route_ab.parse_args,
                  ["--preset", "tiny", "--variant", "a", "--variant", "b", *argv], says)
 
 
@@ -79,13 +67,13 @@ def test_route_ab_refuses_bad_values_at_parse(capsys, argv, says):
     (["--device", "foo"], "argument --device: 'foo' is not a torch device"),
 ])
 def test_serve_phases_refuses_a_workload_it_cannot_build(monkeypatch, capsys, argv, says):
-    monkeypatch.setattr(serve_phases, "run", _never)
-    _usage_error(capsys, serve_phases.main, argv, says)
+    monkeypatch.setattr(serve_phases, "run", never)
+    usage_error(capsys, serve_phases.main, argv, says)
 
 
 def test_hostbench_refuses_a_missing_baseline_before_running(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(host_main, "run_benchmarks", _never)
-    _usage_error(capsys, host_main.main, ["--out", str(tmp_path), "--baseline",
+    monkeypatch.setattr(host_main, "run_benchmarks", never)
+    usage_error(capsys, host_main.main, ["--out", str(tmp_path), "--baseline",
                                           str(tmp_path / "nope.json")],
                  "argument --baseline: ")
     file = tmp_path / "a-file"
@@ -98,24 +86,24 @@ def test_hostbench_refuses_a_baseline_that_is_not_a_host_run_before_running(monk
                                                                           tmp_path):
     """A suite's result file compared as a run of no benchmarks: "nothing compared", exit 0,
     and --publish replaced the reference; a truncated one was a traceback after the run."""
-    monkeypatch.setattr(host_main, "run_benchmarks", _never)
+    monkeypatch.setattr(host_main, "run_benchmarks", never)
     suite = tmp_path / "kernels-cpu.json"
     suite.write_text(json.dumps({"schema": 2, "runs": {}, "rows": []}))
     cut = tmp_path / "host-cpu.json"
     cut.write_text('{"benchmarks": [{"name"')
     for path, says in ((suite, "not a host-path benchmark run"), (cut, "not valid JSON")):
-        _usage_error(capsys, host_main.main, ["--out", str(tmp_path), "--publish",
+        usage_error(capsys, host_main.main, ["--out", str(tmp_path), "--publish",
                                               "--baseline", str(path)],
                      f"argument --baseline: {path}: {says}")
         new = tmp_path / "20250102-120000-cpu.json"
         new.write_text(json.dumps({"benchmarks": []}))
-        _usage_error(capsys, compare.main, [str(new), str(path)], f"{path}: {says}")
+        usage_error(capsys, compare.main, [str(new), str(path)], f"{path}: {says}")
 
 
 def test_hostbench_refuses_to_publish_another_set_up_before_running(monkeypatch, tmp_path):
     # The reference holds the default set-up's every benchmark: --host-batch-sizes 1,8 (or
     # --host-devices cpu on a GPU host) replaced it with a subset of its rows.
-    monkeypatch.setattr(host_main, "run_benchmarks", _never)
+    monkeypatch.setattr(host_main, "run_benchmarks", never)
     for opt in (["--host-batch-sizes", "1,8"], ["--host-devices=cpu"]):
         with pytest.raises(SystemExit, match="--publish with --host-"):
             host_main.main(["--out", str(tmp_path), "--publish", *opt])
@@ -124,15 +112,15 @@ def test_hostbench_refuses_to_publish_another_set_up_before_running(monkeypatch,
 def test_compare_names_a_missing_run_file(capsys, tmp_path):
     new = tmp_path / "20250102-120000-cpu.json"
     new.write_text(json.dumps({"benchmarks": []}))
-    _usage_error(capsys, compare.main, [str(new), str(tmp_path / "old.json")],
+    usage_error(capsys, compare.main, [str(new), str(tmp_path / "old.json")],
                  "old.json: no such file")
-    _usage_error(capsys, compare.main, [str(tmp_path / "20250103-120000-cpu.json")],
+    usage_error(capsys, compare.main, [str(tmp_path / "20250103-120000-cpu.json")],
                  "no such file")
 
 
 def test_mutants_refuse_an_unknown_only_before_the_baseline(monkeypatch, capsys):
-    monkeypatch.setattr(mutants, "_run", _never)
-    _usage_error(capsys, mutants.main, ["--only", "no_such_mutant"], "no_such_mutant")
+    monkeypatch.setattr(mutants, "_run", never)
+    usage_error(capsys, mutants.main, ["--only", "no_such_mutant"], "no_such_mutant")
 
 
 SWEEP = ["--preset", "tiny", "--module", "gate_up_proj", "--tokens", "4", "--rank", "8",
@@ -147,29 +135,29 @@ SWEEP = ["--preset", "tiny", "--module", "gate_up_proj", "--tokens", "4", "--ran
     (["--module", "nope"], "unknown module"),
 ])
 def test_sweep_refuses_a_bad_grid_before_launching(monkeypatch, capsys, argv, says):
-    monkeypatch.setattr(sweep.kernel_bench, "make_weights", _never)
-    _usage_error(capsys, sweep.main, SWEEP + argv, says)
+    monkeypatch.setattr(sweep.kernel_bench, "make_weights", never)
+    usage_error(capsys, sweep.main, SWEEP + argv, says)
 
 
 def test_attention_bench_refuses_zero_reps_and_an_unwritable_json(monkeypatch, capsys,
                                                                   tmp_path):
-    monkeypatch.setattr(attention_bench, "run_attention_suite", _never)
-    _usage_error(capsys, attention_bench.main, ["--quick", "--reps", "0"], "--reps")
-    _usage_error(capsys, attention_bench.main,
+    monkeypatch.setattr(attention_bench, "run_attention_suite", never)
+    usage_error(capsys, attention_bench.main, ["--quick", "--reps", "0"], "--reps")
+    usage_error(capsys, attention_bench.main,
                  ["--quick", "--json", str(tmp_path / "no" / "rows.json")], "--json")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_base_step_bench_says_profile_needs_a_gpu(monkeypatch, capsys):
-    monkeypatch.setattr(base_step_bench, "run_base_step", _never)
-    _usage_error(capsys, base_step_bench.main, ["--profile", "256", "512"], "needs a GPU")
+    monkeypatch.setattr(base_step_bench, "run_base_step", never)
+    usage_error(capsys, base_step_bench.main, ["--profile", "256", "512"], "needs a GPU")
 
 
 def test_base_step_bench_refuses_a_profile_pair_it_does_not_replay(monkeypatch, capsys):
-    monkeypatch.setattr(base_step_bench, "run_base_step", _never)
+    monkeypatch.setattr(base_step_bench, "run_base_step", never)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _usage_error(capsys, base_step_bench.main, ["--profile", "32", "512"], "--profile 32 512")
-    _usage_error(capsys, base_step_bench.main, ["--contexts", "1024", "--profile", "256", "512"],
+    usage_error(capsys, base_step_bench.main, ["--profile", "32", "512"], "--profile 32 512")
+    usage_error(capsys, base_step_bench.main, ["--contexts", "1024", "--profile", "256", "512"],
                  "--profile 256 512")
     ran = []
     monkeypatch.setattr(base_step_bench, "run_base_step",
@@ -182,10 +170,10 @@ def test_base_step_bench_refuses_a_profile_pair_it_does_not_replay(monkeypatch, 
 
 def test_dp_bench_under_torchrun_refuses_sizes_other_than_the_world(monkeypatch, capsys,
                                                                     tmp_path):
-    monkeypatch.setattr(dp_bench, "run_rank", _never)
+    monkeypatch.setattr(dp_bench, "run_rank", never)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    _usage_error(capsys, dp_bench.main, DP + ["--sizes", "1", "4", "--out",
+    usage_error(capsys, dp_bench.main, DP + ["--sizes", "1", "4", "--out",
                                               str(tmp_path / "dp.json")],
                  "under torchrun the DP size is the world size (2)")

@@ -14,6 +14,8 @@ import pytest
 from report_rows import RUN, rows
 
 pytest.importorskip("plotly", reason="the report needs plotly (pip install plotly)")
+from cli_checks import never, usage_error
+
 from bench import cli, dp_bench, provenance, report, results  # noqa: E402
 from bench import profile as bench_profile  # noqa: E402
 from bench.results import make_row  # noqa: E402
@@ -23,26 +25,14 @@ DP = ["--preset", "tiny", "--layers", "1", "--requests-per-rank", "1", "--prompt
       "--output", "2", "--max-batch", "2", "--adapters", "0", "--loads", "skewed"]
 
 
-def _never(*args, **kwargs):
-    raise AssertionError("the tool started its work before refusing its arguments")
-
-
-def _usage_error(capsys, fn, argv, says: str) -> None:
-    with pytest.raises(SystemExit) as e:
-        fn(argv)
-    assert e.value.code == 2, e.value.code
-    err = capsys.readouterr().err
-    assert says in err, err
-
-
 def test_an_empty_out_is_refused_not_read_as_the_working_folder(monkeypatch, capsys, tmp_path):
     """``--out "$DIR"`` with ``DIR`` unset: ``Path("")`` is ``.``, and the run wrote its result
     files and report into the working directory (the repository root under nox)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli.hardware, "measure", _never)
-    _usage_error(capsys, cli.main, ["--profile", "cpu", "--suite", "attention", "--out", ""],
+    monkeypatch.setattr(cli.hardware, "measure", never)
+    usage_error(capsys, cli.main, ["--profile", "cpu", "--suite", "attention", "--out", ""],
                  "argument --out: an empty path")
-    _usage_error(capsys, bench_profile.main, ["attention decode", "--profile", "cpu",
+    usage_error(capsys, bench_profile.main, ["attention decode", "--profile", "cpu",
                                               "--out", " "], "argument --out: an empty path")
     assert list(tmp_path.iterdir()) == []
 
@@ -74,10 +64,10 @@ def test_dp_bench_exits_non_zero_naming_a_failed_case(monkeypatch, capsys, tmp_p
 def test_dp_bench_refuses_an_out_that_is_not_a_json_file(monkeypatch, capsys, tmp_path):
     """``--out dp`` wrote a file that bench.report and the next run into it refused as not a
     result file (they read result files by their .json suffix)."""
-    monkeypatch.setattr(dp_bench, "spawn", _never)
-    _usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path / "dp")],
+    monkeypatch.setattr(dp_bench, "spawn", never)
+    usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path / "dp")],
                  f"--out {tmp_path / 'dp'}: result files end in .json")
-    _usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path / "dp.txt")],
+    usage_error(capsys, dp_bench.main, DP + ["--out", str(tmp_path / "dp.txt")],
                  f"give e.g. {tmp_path / 'dp.json'}")
     assert list(tmp_path.iterdir()) == []
 
