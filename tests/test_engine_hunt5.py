@@ -7,7 +7,8 @@ compiled mid-serving); an int raised "'int' object is not iterable" and a list a
 names "unhashable type: 'list'". ``WorkloadSpec`` given a ``rate`` or ``zipf_alpha`` that is
 not a number (a string from a config file) failed with "'<' not supported between instances
 of 'int' and 'str'", ``rate=True`` drew a rate of 1, and a Poisson rate so small that its
-mean gap overflows (1e-320) drew every arrival at inf, which ``serve`` then refused."""
+mean gap overflows (1e-320) drew every arrival at inf, which ``serve`` then refused; ``serve``
+given its workload as a generator checked it (using it up), then asked its length."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from conftest import DEVICE
 from engine_world import EngineWorld
 
 from lora_runtime.engine.scheduler import SchedulerConfig
-from lora_runtime.engine.workload import WorkloadSpec, make_workload
+from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
 
 
 @functools.cache
@@ -79,3 +80,12 @@ def test_the_smallest_accepted_poisson_rate_draws_finite_arrivals():
     for rate in (1e-300, 1e-3, 1e300):
         wl = make_workload(WorkloadSpec(3, 2, 1, arrival="poisson", rate=rate), 96)
         assert all(0 < w.arrival < float("inf") for w in wl), rate
+
+
+def test_serve_takes_its_workload_as_a_generator():
+    w = _world()
+    eng = w.engine(SchedulerConfig(max_batch_size=4, max_step_tokens=16))
+    wl = make_workload(WorkloadSpec(3, 4, 2, seed=5), w.config.vocab_size)
+    reqs = serve(eng, (r for r in wl))
+    assert len(reqs) == 3 and all(len(r.output) == 2 for r in reqs)
+    assert [r.prompt for r in reqs] == [list(x.prompt) for x in wl]

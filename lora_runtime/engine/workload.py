@@ -147,6 +147,8 @@ def serve(engine, workload: list[WorkloadRequest],
     workload order. Every request is checked before any is queued: one the engine could never
     serve raises ValueError naming its index, and nothing is served."""
     sleep = sleep or time.sleep
+    if not isinstance(workload, WorkloadSpec):  # read once: a generator's length was asked
+        workload = list(workload)
     checked = _checked(engine, workload)
     pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     reqs: list[Request | None] = [None] * len(workload)
