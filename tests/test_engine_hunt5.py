@@ -8,7 +8,8 @@ names "unhashable type: 'list'". ``WorkloadSpec`` given a ``rate`` or ``zipf_alp
 not a number (a string from a config file) failed with "'<' not supported between instances
 of 'int' and 'str'", ``rate=True`` drew a rate of 1, and a Poisson rate so small that its
 mean gap overflows (1e-320) drew every arrival at inf, which ``serve`` then refused; ``serve``
-given its workload as a generator checked it (using it up), then asked its length."""
+given its workload as a generator checked it (using it up), then asked its length; an
+``Engine`` given a clock that is no function was built and failed at its first request."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from conftest import DEVICE
 from engine_world import EngineWorld
 
+from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.scheduler import SchedulerConfig
 from lora_runtime.engine.workload import WorkloadSpec, make_workload, serve
 
@@ -89,3 +91,11 @@ def test_serve_takes_its_workload_as_a_generator():
     reqs = serve(eng, (r for r in wl))
     assert len(reqs) == 3 and all(len(r.output) == 2 for r in reqs)
     assert [r.prompt for r in reqs] == [list(x.prompt) for x in wl]
+
+
+@pytest.mark.parametrize("clock", [0.0, "perf_counter"])
+def test_an_engine_refuses_a_clock_that_is_no_function(clock):
+    w = _world()
+    w.engine(SchedulerConfig(max_batch_size=4))
+    with pytest.raises(TypeError, match="clock must be a function"):
+        Engine(w.runner, SchedulerConfig(max_batch_size=4), w.graphs, clock=clock)

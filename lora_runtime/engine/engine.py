@@ -98,6 +98,9 @@ class Engine:
         for what, flag in (("keep_logits", keep_logits), ("overlap", overlap)):
             if not isinstance(flag, bool):  # overlap="no" launched steps ahead
                 raise TypeError(f"Engine: {what} must be True or False, got {flag!r:.80}")
+        if not callable(clock):  # it failed at the first request, not here
+            raise TypeError(f"Engine: clock must be a function returning seconds (e.g. "
+                            f"time.perf_counter), got {type(clock).__name__} {clock!r:.80}")
         self.config = config or SchedulerConfig()
         self.graphs = _checked_graphs(graphs, runner)
         self.keep_logits = keep_logits
