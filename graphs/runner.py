@@ -33,6 +33,7 @@ from lora_runtime.engine.forward_batch import (
 )
 from lora_runtime.engine.model_runner import ModelRunner
 from lora_runtime.lora.backends import LoRAGraphBuffers
+from lora_runtime.model.gemm_library import rows_library
 from lora_runtime.nvtx import phase
 
 LORA, PEERS, BASE = "lora", "peers", "base"
@@ -104,7 +105,9 @@ class GraphRunner:
                     batch = dataclasses.replace(batch, gathered=GatheredRows(
                         buf.mode, rows, ((),) * self.dp.size, ((),) * self.dp.size))
                 t0 = time.perf_counter()
-                self.graphs[(kind, bucket)] = capture(self._forward_of(batch), self.device, pool)
+                with rows_library(buf.rows(bucket), self.device):
+                    self.graphs[(kind, bucket)] = capture(self._forward_of(batch), self.device,
+                                                          pool)
                 self.stats.capture_seconds[f"{kind}/{bucket}"] = time.perf_counter() - t0
         self.stats.memory_bytes = _pool_bytes(self.device) - before
         if self.lora is not None:

@@ -508,6 +508,19 @@ base (us, median of 12 interleaved rounds), beside / in order: 1,024 tokens 439 
 tokens 567 / 492, 4,096 tokens 1,388 / 877 (an earlier run at 1,024 tokens: 152 / 452; at
 2,048 the rounds overlap, and the kernel suite's modules favoured the branch there)."""
 
+CAPTURE_GEMM_LT_ROWS = tuple(int(v) for v in os.environ.get(
+    "MULTILORA_CAPTURE_GEMM_LT_ROWS", "0,0").split(","))
+"""``(lo, hi)``: a CUDA graph captured for lo..hi rows runs every GEMM through cuBLASLt
+instead of cuBLAS's default choice (``lora_runtime.model.gemm_library``; read at import,
+"0,0": never). Captures only: eager forwards keep the default."""
+
+DELTA_GEMM_SMS_FREE = tuple(int(v) for v in os.environ.get(
+    "MULTILORA_DELTA_GEMM_SMS_FREE", "3,0").split(","))
+"""``(min_rows, sms)``: a captured base GEMM of at least min_rows rows whose LoRA term runs
+beside it (the delta route, ``DELTA_MAX_ROWS``) goes through cuBLASLt told to leave ``sms``
+SMs free, so the branch's kernels start at once instead of waiting for the GEMM's blocks to
+retire (read at import; sms 0: off)."""
+
 PDL = os.environ.get("MULTILORA_PDL", "1") != "0"
 """``MULTILORA_PDL=0`` (read at import) turns programmatic dependent launch off (A/B runs)."""
 

@@ -21,6 +21,7 @@ from kernels.row_lora import UnshrunkLoRA
 from lora_runtime.lora.batch_info import LOGITS_BLOCK_M, LoRABatchInfo, LoRABatchPlan
 from lora_runtime.lora.linear_schedule import lora_linear
 from lora_runtime.lora.side_stream import run_beside
+from lora_runtime.model.gemm_library import sms_left_free
 
 EAGER_LAYOUTS_KEPT = 8
 """Eager layouts kept for reuse, most recent last (``LoRABackend.prepare``)."""
@@ -195,7 +196,11 @@ class LoRABackend:
             self.expand(a, weights, delta, layout)
             return delta
 
-        delta, y = run_beside(side, lambda: base(x), x)
+        def main() -> torch.Tensor:
+            with sms_left_free(x):
+                return base(x)
+
+        delta, y = run_beside(side, main, x)
         return y, LoRADelta(delta)
 
     def run_embedding(self, token_ids: torch.Tensor, y: torch.Tensor,
