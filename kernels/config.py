@@ -508,14 +508,22 @@ base (us, median of 12 interleaved rounds), beside / in order: 1,024 tokens 439 
 tokens 567 / 492, 4,096 tokens 1,388 / 877 (an earlier run at 1,024 tokens: 152 / 452; at
 2,048 the rounds overlap, and the kernel suite's modules favoured the branch there)."""
 
-CAPTURE_GEMM_LT_ROWS = tuple(int(v) for v in os.environ.get(
-    "MULTILORA_CAPTURE_GEMM_LT_ROWS", "0,0").split(","))
+def _int_pair(env: str, default: str) -> tuple[int, int]:
+    text = os.environ.get(env, default)
+    try:
+        first, second = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{env}={text!r}: give two integers separated by a comma, e.g. "
+                         f"{env}={default}") from None
+    return first, second
+
+
+CAPTURE_GEMM_LT_ROWS = _int_pair("MULTILORA_CAPTURE_GEMM_LT_ROWS", "0,0")
 """``(lo, hi)``: a CUDA graph captured for lo..hi rows runs every GEMM through cuBLASLt
 instead of cuBLAS's default choice (``lora_runtime.model.gemm_library``; read at import,
 "0,0": never). Captures only: eager forwards keep the default."""
 
-DELTA_GEMM_SMS_FREE = tuple(int(v) for v in os.environ.get(
-    "MULTILORA_DELTA_GEMM_SMS_FREE", "3,0").split(","))
+DELTA_GEMM_SMS_FREE = _int_pair("MULTILORA_DELTA_GEMM_SMS_FREE", "3,0")
 """``(min_rows, sms)``: a captured base GEMM of at least min_rows rows whose LoRA term runs
 beside it (the delta route, ``DELTA_MAX_ROWS``) goes through cuBLASLt told to leave ``sms``
 SMs free, so the branch's kernels start at once instead of waiting for the GEMM's blocks to

@@ -124,3 +124,12 @@ def test_replays_captured_under_both_settings_match_eager(monkeypatch, rows):
     for r, row in zip(reqs, logits, strict=True):
         r.output.append(int(row.argmax()))
     h.step(build_decode(reqs, h.runner.kv, CUDA), expect_bucket=rows)
+
+
+@pytest.mark.parametrize("text", ["8", "8,16,32", "8,x", ""])
+def test_a_malformed_rows_pair_in_the_environment_is_named(monkeypatch, text):
+    monkeypatch.setenv("MULTILORA_CAPTURE_GEMM_LT_ROWS", text)
+    with pytest.raises(ValueError, match=r"MULTILORA_CAPTURE_GEMM_LT_ROWS=.*two integers"):
+        config._int_pair("MULTILORA_CAPTURE_GEMM_LT_ROWS", "0,0")
+    monkeypatch.setenv("MULTILORA_CAPTURE_GEMM_LT_ROWS", "33, 64")
+    assert config._int_pair("MULTILORA_CAPTURE_GEMM_LT_ROWS", "0,0") == (33, 64)
