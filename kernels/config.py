@@ -417,10 +417,11 @@ H200, 4 layers, 16 adapters r=64, bs 256: the norm's kernel time a forward 697 u
 
 GRAPH_WINDOWS_MIN_ROWS = {
     "rope": int(os.environ.get("MULTILORA_ROPE_GRAPH_WINDOWS_MIN_ROWS", "128")),
+    "norm": int(os.environ.get("MULTILORA_NORM_GRAPH_WINDOWS_MIN_ROWS", str(sys.maxsize))),
 }
 """The same inside a graph capture or a trace, where the alternative is the projection's
-separate expand after its GEMM: RoPE (qkv's term, ``kernels.rope_kv_windows``). The norm
-never: its scratch is shared by every launch on a device. A window of many distinct slots
+separate expand after its GEMM: RoPE (qkv's term, ``kernels.rope_kv_windows``), the norm
+(o_proj's and down's, ``kernels.rms_norm_windows``: off by default). A window of many distinct slots
 walks them in sequence, so few rows a slot favour the expand's grid: H200, LoRA replay minus
 base replay (us, two rounds, expand / by windows), 4 layers 16 adapters r=16 bs 64 138 / 144,
 bs 128 197-204 / 186-204, bs 256 159-187 / 169-177; 4 adapters bs 64 75-80 / 70-72, bs 256
@@ -446,7 +447,10 @@ def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int, num_slots:
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
     return pending_by_rows(x, consumer, max_rank, num_slots) or (
         consumer == "silu_mul" and fused_expand(x.shape[0])) or (
-        consumer == "rope" and pending_by_windows(x, consumer))
+        consumer == "rope" and pending_by_windows(x, consumer)) or (
+        # eager: the norm by windows only within pending_by_rows's budget (above)
+        consumer == "norm" and x.shape[0] >= GRAPH_WINDOWS_MIN_ROWS.get("norm", sys.maxsize)
+        and not eager(x))
 
 
 DELTA_MAX_ROWS = {

@@ -13,9 +13,9 @@ window sets its counter back to zero), so no memset precedes it (an eager step i
 its launches' host time).
 
 Hazards: the scratch is shared by every launch on a device, so launches must not overlap:
-the runtime's eager forwards run on one stream (a graph capture never takes this route:
-``config.pending_by_windows`` takes the norm's only eager, ``config.shrink_in_consumer``
-every route only eager). The last
+the runtime's eager forwards and graph replays run on one stream, and no side branch runs a
+norm. A captured graph keeps the scratch's addresses, so a scratch outgrown is retired, never
+freed (a graph captured before still replays on it, zero as it was left). The last
 program reads what the window's other programs stored. Each program's
 stores are ordered before its counter increment by a barrier and the increment's release;
 the last one's acquire orders its reads after them, and it reads through L2 (``.cg``), never
@@ -104,6 +104,8 @@ def _add_rms_norm_lora_windows_kernel(
 
 
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[torch.Tensor] = []
+"""Scratch outgrown: kept alive for the graphs captured on it."""
 
 
 def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
@@ -111,8 +113,10 @@ def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
     partial sums: the device's scratch, grown when too small (counters zeroed then)."""
     count, part = _scratch.get(device, (None, None))
     if count is None or count.numel() < windows:
+        _retired.extend(t for t in (count,) if t is not None)
         count = torch.zeros(max(2 * windows, 1024), dtype=torch.int32, device=device)
     if part is None or part.numel() < parts:
+        _retired.extend(t for t in (part,) if t is not None)
         part = torch.empty(max(2 * parts, 65536), dtype=torch.float32, device=device)
     _scratch[device] = count, part
     return count, part

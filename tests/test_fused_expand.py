@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels.rms_norm as norm_module
+import kernels.rms_norm_windows as norm_windows_module
 import kernels.rope_kv as rope_module
 import kernels.shrink_expand as shrink_expand_module
 import kernels.silu_mul as silu_module
@@ -456,3 +457,58 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
     if epilogue == "delta":  # o_proj and down each under their own threshold
         assert routes == {"rope", "norm", "silu_mul", "down"}, routes
     assert epilogue != "unshrunk" or not one_launch, "an eager LoRA term was launched"
+
+
+@pytest.mark.slow
+def test_graphs_with_the_norms_term_by_windows_match_the_oracle(monkeypatch):
+    """``GRAPH_WINDOWS_MIN_ROWS["norm"]``: o_proj and down leave their expand to the norm by
+    windows inside graphs (decode and prefill buckets); eager forwards keep their own routes.
+    Replays equal eager forwards and the merged model, and the windows' scratch, shared by
+    every launch, is left as found by each."""
+    monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 0)
+    in_graph = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op",
+                            when=lambda a: not config.eager(a[0]))
+    with use_base_backend("triton"):
+        h = Harness("triton", DEVICE, decode_buckets=[4], max_context=16, prefill_buckets=[24],
+                    max_requests=4, slots=3, max_rank=8, dtype=torch.float32)
+        ads = [h.adapter("A", 4, ["o_proj", "up_proj"], seed=1),
+               h.adapter("B", 8, ["down_proj", "q_proj"], seed=2), None]
+        prefill_then_decode(h, ads, DEVICE, prefill_bucket=24, decode_bucket=4)
+    assert h.replays == 3 and h.oracle_checks == 6
+    assert in_graph, "no graph's norm took o_proj's or down's term by windows"
+    assert all(int(count.count_nonzero()) == 0
+               for count, _ in norm_windows_module._scratch.values())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a CUDA graph keeps the scratch's addresses")
+def test_a_graph_replays_the_norm_by_windows_after_its_scratch_is_outgrown(monkeypatch):
+    """A graph captured with the norm's term by windows keeps its scratch's addresses: when a
+    later, larger forward outgrows the scratch, the old one must stay allocated and zero (a
+    freed one is reused and overwritten: the replay then misreads its counters)."""
+    monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 0)
+    g = torch.Generator().manual_seed(3)
+    x, w, layout, _, lora = _problem(g, 3, 16, [4096], 64, [0, 1, 2, 1] * 4, None, 0,
+                                     torch.bfloat16)
+    y, res = (torch.randn(x.shape[0], 4096, generator=g).to(torch.bfloat16).to(DEVICE)
+              for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(4096, generator=g)).to(torch.bfloat16).to(DEVICE)
+    norm_windows_module._scratch.clear()  # this graph's scratch: the smallest there is
+    want = rms_norm(y, nw, 1e-5, res, lora)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = rms_norm(y, nw, 1e-5, res, lora)
+    torch.cuda.current_stream().wait_stream(stream)
+    # An eager forward of more windows than the first scratch counts outgrows it...
+    gx, gw, glayout, _, glora = _problem(g, 3, 16, [4096], 64, [0, 1, 2] * 5600, None, 0,
+                                         torch.bfloat16)
+    big = torch.randn(gx.shape[0], 4096, device=DEVICE, dtype=torch.bfloat16)
+    rms_norm(big, nw, 1e-5, big.clone(), glora)
+    # ...and whatever the allocator hands out next is filled with garbage.
+    junk = [torch.full((1024,), 7, dtype=torch.int32, device=DEVICE) for _ in range(2048)]
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -21,7 +21,7 @@ def test_variants_parse_and_bad_ones_name_the_fix():
     assert route_ab.parse_variant("plain").knobs == ()
     for spec, says in [("x:NO_SUCH_KNOB=1", "unknown knob 'NO_SUCH_KNOB'"),
                        ("x:GRAPH_WINDOWS_MIN_ROWS=1", "is a dict; set one key"),
-                       ("x:GRAPH_WINDOWS_MIN_ROWS.norm=1", "has no key 'norm'"),
+                       ("x:GRAPH_WINDOWS_MIN_ROWS.silu_mul=1", "has no key 'silu_mul'"),
                        ("x:WIDE_BLOCKS_MIN_ROWS", "is not KNOB=VALUE"),
                        ("x:WIDE_BLOCKS_MIN_ROWS=lots", "is not a Python literal"),
                        (":WIDE_BLOCKS_MIN_ROWS=1", "give it a name"),
