@@ -165,6 +165,17 @@ read at import, -1: never). At decode the separate expand is a launch on the cri
 the base GEMM; it was most of LoRA's cost in a graph step (see docs/perf-notes.md)."""
 
 
+NORM_ROWS_SPLIT = os.environ.get("MULTILORA_NORM_ROWS_SPLIT", "1") != "0"
+"""Inside a graph capture or a trace, the norm's pending term by rows (``"norm"`` above) runs
+with each row split over column groups (``kernels.rms_norm_split``): the row's B loads spread
+over many SMs, the last program of the row normalises it. Eager forwards keep a program per
+row (read at import; 0: a program per row everywhere)."""
+
+
+def norm_rows_split(x: torch.Tensor) -> bool:
+    return NORM_ROWS_SPLIT and not eager(x)
+
+
 EAGER_EPILOGUE_MAX_ROWS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_MAX_ROWS", "1024"))
 EAGER_EPILOGUE_ROW_RANKS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_ROW_RANKS", "16384"))
 """Eager forwards of at most ``EAGER_EPILOGUE_MAX_ROWS`` rows, rows x ``rank_block(max_rank)``

@@ -23,6 +23,7 @@ from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
+from kernels.rms_norm_split import add_rms_norm_lora_split_op
 from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
@@ -123,6 +124,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
           f"got {lora.weights.num_slices}")
     if _by_windows(x, lora):
         return add_rms_norm_lora_windows_op(x, residual, weight, eps, *lora.block_args())
+    if isinstance(lora, PendingLoRA) and config.norm_rows_split(x):
+        return add_rms_norm_lora_split_op(x, residual, weight, eps, *lora.row_args())
     return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
 
 

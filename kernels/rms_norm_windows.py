@@ -7,16 +7,12 @@ rows sorted by slot, so few distinct slots) and a group of column tiles: it adds
 (``lora_delta``: one ``tl.dot`` per distinct slot, B read once a window), then the residual,
 stores the summed rows and the group's partial sums of squares. The norm needs whole rows:
 the last program of a window to finish (an atomic counter per window) reads the partial sums
-back, and normalises the window's summed rows. One launch: the counters and partial sums live
-in a scratch buffer per device that the kernel leaves as it found it (the last program of a
-window sets its counter back to zero), so no memset precedes it (an eager step is bound by
-its launches' host time).
+back, and normalises the window's summed rows. One launch: the counters and partial sums
+live in the device's scratch (``kernels.norm_scratch``, whose hazards apply), which the kernel
+leaves as it found it, so no memset precedes it (an eager step is bound by its launches' host
+time).
 
-Hazards: the scratch is shared by every launch on a device, so launches must not overlap:
-the runtime's eager forwards and graph replays run on one stream, and no side branch runs a
-norm. A captured graph keeps the scratch's addresses, so a scratch outgrown is retired, never
-freed (a graph captured before still replays on it, zero as it was left). The last
-program reads what the window's other programs stored. Each program's
+Hazards: the last program reads what the window's other programs stored. Each program's
 stores are ordered before its counter increment by a barrier and the increment's release;
 the last one's acquire orders its reads after them, and it reads through L2 (``.cg``), never
 a stale L1 line. Partial sums are stored per group and summed in group order, not added
@@ -32,6 +28,7 @@ import triton.language as tl
 from kernels import config
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import FUSE_BLOCK_M, block_a, block_shrink, lora_delta, lora_rows
+from kernels.norm_scratch import norm_scratch
 from kernels.traced_op import traced_op
 
 BLOCK_N = 128
@@ -103,25 +100,6 @@ def _add_rms_norm_lora_windows_kernel(
                      (w[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_retired: list[torch.Tensor] = []
-"""Scratch outgrown: kept alive for the graphs captured on it."""
-
-
-def _scratch_for(device: torch.device, windows: int, parts: int) -> tuple:
-    """``(count, part)``: at least ``windows`` int32 counters, zero, and ``parts`` float32
-    partial sums: the device's scratch, grown when too small (counters zeroed then)."""
-    count, part = _scratch.get(device, (None, None))
-    if count is None or count.numel() < windows:
-        _retired.extend(t for t in (count,) if t is not None)
-        count = torch.zeros(max(2 * windows, 1024), dtype=torch.int32, device=device)
-    if part is None or part.numel() < parts:
-        _retired.extend(t for t in (part,) if t is not None)
-        part = torch.empty(max(2 * parts, 65536), dtype=torch.float32, device=device)
-    _scratch[device] = count, part
-    return count, part
-
-
 def norm_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A norm's output: ``x``'s shape, the promoted dtype of ``x`` and the norm weight."""
     return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -146,7 +124,7 @@ def add_rms_norm_lora_windows_op(
         groups = config.block_shrink_groups(windows, tiles) if SHRINK else tiles
         per_program = config.cdiv(tiles, groups)
         groups = config.cdiv(tiles, per_program)
-        count, part = _scratch_for(x.device, windows, groups * rows)
+        count, part = norm_scratch(x.device, windows, groups * rows)
         launch(_add_rms_norm_lora_windows_kernel, (windows, groups),
             x, residual, weight, out, summed, part, count, rows,
             src, b, perm, slots, ranks, scalings, la, cols, eps,

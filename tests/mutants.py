@@ -254,6 +254,12 @@ MUTANTS = [
            (("        tl.store(count_ptr + win, 0)", "        pass"),),
            ("tests/test_fused_expand.py::test_norm_with_a_term_matches_expand_then_norm"
             "[torch.float32-windows]",)),
+    Mutant("norm_split_misses_a_partial_sum",
+           "the last program of a split row sums one column group's squares too few",
+           "kernels/rms_norm_split.py",
+           (("mask=g < GROUPS, other=0.0,", "mask=g < GROUPS - 1, other=0.0,"),),
+           ("tests/test_fused_expand.py::test_norm_with_a_term_matches_expand_then_norm"
+            "[torch.float32-split]",)),
     Mutant("rope_window_v_takes_k_slice",
            "RoPE by windows adds k's slice of the term to v",
            "kernels/rope_kv_windows.py",

@@ -17,8 +17,8 @@ from graph_harness import Harness, prefill_then_decode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernels.norm_scratch as norm_scratch_module
 import kernels.rms_norm as norm_module
-import kernels.rms_norm_windows as norm_windows_module
 import kernels.rope_kv as rope_module
 import kernels.shrink_expand as shrink_expand_module
 import kernels.silu_mul as silu_module
@@ -272,26 +272,32 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
     assert len(by_windows) == (epilogue == "windows")
 
 
-@pytest.mark.parametrize("epilogue", ["rows", "unshrunk", "windows", "unshrunk_windows"])
+@pytest.mark.parametrize("epilogue", ["rows", "unshrunk", "windows", "unshrunk_windows",
+                                      "split"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16), with_residual=st.booleans())
 def test_norm_with_a_term_matches_expand_then_norm(monkeypatch, epilogue, dtype, data, seed,
                                                    with_residual):
-    """o_proj's or down's term, pending or unshrunk, added by rows or by windows (the last
-    program of a window normalises it) before the residual add and the norm; without a
-    residual, added to a copy first."""
-    windows = epilogue.endswith("windows")
+    """o_proj's or down's term, pending or unshrunk, added by rows, by rows split over
+    column groups or by windows (the last program of a row or window normalises it) before
+    the residual add and the norm; without a residual, added to a copy first."""
+    windows, split = epilogue.endswith("windows"), epilogue == "split"
     monkeypatch.setattr(config, "PENDING_WINDOWS_MIN_ROWS", {"norm": 0 if windows else 10**9})
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: windows)
     monkeypatch.setattr(config, "unshrunk_by_rows", lambda rows, rank: not windows)
-    epilogue = epilogue.removesuffix("_windows").replace("windows", "rows")
+    monkeypatch.setattr(config, "norm_rows_split", lambda x: split)
+    if split:  # column groups of 32: several a row, the last one partial
+        monkeypatch.setattr(config, "row_block_n", lambda block_r: 32)
+    epilogue = epilogue.removesuffix("_windows").replace("windows", "rows").replace("split",
+                                                                                   "rows")
     by_windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
+    by_split = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_split_op")
     g = torch.Generator().manual_seed(seed)
-    # By windows (a residual to store into), at least two column groups: the last program
-    # of a window normalises it.
-    with_residual = with_residual or windows
-    sizes = [136, 264] if windows else [16, 40, 136]
+    # By windows or split (a residual to store into), at least two column groups: the last
+    # program of a window or row normalises it.
+    with_residual = with_residual or windows or split
+    sizes = [136, 264] if windows or split else [16, 40, 136]
     hidden = data.draw(st.sampled_from(sizes + ([4096] if ON_GPU else [])))
     x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [hidden], dtype,
                                                     long_k=epilogue == "unshrunk")
@@ -313,6 +319,7 @@ def test_norm_with_a_term_matches_expand_then_norm(monkeypatch, epilogue, dtype,
     ref = nw.double().cpu() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
     assert rel_err(got[0] if with_residual else got, ref) <= 4 * TOL[dtype]
     assert len(by_windows) == (windows and with_residual)
+    assert len(by_split) == split
 
 
 def test_norm_refuses_a_term_of_several_slices():
@@ -460,14 +467,21 @@ def test_model_with_the_fused_expand_matches_the_oracle_eager_and_replayed(monke
 
 
 @pytest.mark.slow
-def test_graphs_with_the_norms_term_by_windows_match_the_oracle(monkeypatch):
-    """``GRAPH_WINDOWS_MIN_ROWS["norm"]``: o_proj and down leave their expand to the norm by
-    windows inside graphs (decode and prefill buckets); eager forwards keep their own routes.
-    Replays equal eager forwards and the merged model, and the windows' scratch, shared by
-    every launch, is left as found by each."""
-    monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 0)
-    in_graph = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op",
-                            when=lambda a: not config.eager(a[0]))
+@pytest.mark.parametrize("route", ["windows", "split"])
+def test_graphs_with_the_norms_term_by_windows_or_split_rows_match_the_oracle(monkeypatch,
+                                                                                route):
+    """o_proj and down leave their expand to the norm inside graphs (decode and prefill
+    buckets): by windows (``GRAPH_WINDOWS_MIN_ROWS["norm"]``) or by rows split over column
+    groups (``ROW_EPILOGUE_MAX_ROWS["norm"]``, ``NORM_ROWS_SPLIT``). Replays equal eager
+    forwards and the merged model, and the scratch the norms share is left as found."""
+    if route == "windows":
+        monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 0)
+        op = "add_rms_norm_lora_windows_op"
+    else:
+        monkeypatch.setitem(config.ROW_EPILOGUE_MAX_ROWS, "norm", 10**9)
+        monkeypatch.setattr(config, "NORM_ROWS_SPLIT", True)
+        op = "add_rms_norm_lora_split_op"
+    in_graph = _count_calls(monkeypatch, norm_module, op, when=lambda a: not config.eager(a[0]))
     with use_base_backend("triton"):
         h = Harness("triton", DEVICE, decode_buckets=[4], max_context=16, prefill_buckets=[24],
                     max_requests=4, slots=3, max_rank=8, dtype=torch.float32)
@@ -475,9 +489,9 @@ def test_graphs_with_the_norms_term_by_windows_match_the_oracle(monkeypatch):
                h.adapter("B", 8, ["down_proj", "q_proj"], seed=2), None]
         prefill_then_decode(h, ads, DEVICE, prefill_bucket=24, decode_bucket=4)
     assert h.replays == 3 and h.oracle_checks == 6
-    assert in_graph, "no graph's norm took o_proj's or down's term by windows"
+    assert in_graph, f"no graph's norm took o_proj's or down's term ({route})"
     assert all(int(count.count_nonzero()) == 0
-               for count, _ in norm_windows_module._scratch.values())
+               for count, _ in norm_scratch_module._scratch.values())
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a CUDA graph keeps the scratch's addresses")
@@ -492,7 +506,7 @@ def test_a_graph_replays_the_norm_by_windows_after_its_scratch_is_outgrown(monke
     y, res = (torch.randn(x.shape[0], 4096, generator=g).to(torch.bfloat16).to(DEVICE)
               for _ in range(2))
     nw = (1 + 0.1 * torch.randn(4096, generator=g)).to(torch.bfloat16).to(DEVICE)
-    norm_windows_module._scratch.clear()  # this graph's scratch: the smallest there is
+    monkeypatch.setattr(norm_scratch_module, "_scratch", {})  # the smallest scratch there is
     want = rms_norm(y, nw, 1e-5, res, lora)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
