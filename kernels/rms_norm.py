@@ -23,7 +23,7 @@ from kernels import config
 from kernels.checks import check, check_dtype
 from kernels.fast_launch import launch
 from kernels.lora_epilogue import LoRADelta, PendingLoRA
-from kernels.rms_norm_split import add_rms_norm_lora_split_op
+from kernels.rms_norm_split import add_rms_norm_lora_split
 from kernels.rms_norm_windows import add_rms_norm_lora_windows_op, norm_out
 from kernels.row_lora import UnshrunkLoRA, row_lora_a, row_lora_term
 from kernels.traced_op import traced_op
@@ -124,9 +124,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
           f"got {lora.weights.num_slices}")
     if _by_windows(x, lora):
         return add_rms_norm_lora_windows_op(x, residual, weight, eps, *lora.block_args())
-    if isinstance(lora, PendingLoRA) and config.norm_rows_split(x):
-        return add_rms_norm_lora_split_op(x, residual, weight, eps, *lora.row_args())
-    return _add_rms_norm_lora_op(x, residual, weight, eps, *lora.row_args())
+    split = isinstance(lora, PendingLoRA) and config.norm_rows_split(x)
+    return _add_rms_norm_lora_op(x, residual, weight, eps, split, *lora.row_args())
 
 
 def _by_windows(x: torch.Tensor, lora: PendingLoRA | UnshrunkLoRA) -> bool:
@@ -177,14 +176,19 @@ def _(x, residual, weight, eps, delta=None):
 
 @traced_op("multilora::add_rms_norm_lora", mutates_args=())
 def _add_rms_norm_lora_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, split: bool,
     slots: torch.Tensor, src: torch.Tensor, la: torch.Tensor, b: torch.Tensor,
     ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
     s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int,
     BLOCK_R: int, SHRINK: bool, BLOCK_K: int, NEUTRAL: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split``: each row split over column groups (``kernels.rms_norm_split``)."""
     out, summed = norm_out(x, weight), torch.empty_like(x)
-    if x.shape[0]:
+    if split:
+        add_rms_norm_lora_split(x, residual, weight, eps, out, summed, (
+            slots, src, la, b, ranks, scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak,
+            s_bs, s_bn, s_br, NUM_SLICES, BLOCK_R, SHRINK, BLOCK_K, NEUTRAL))
+    elif x.shape[0]:
         # With SHRINK the program's whole term is serial: wider column steps, more warps.
         per_step = config.ROW_SHRINK_ELEMENTS // BLOCK_R if SHRINK else config.row_block_n(
             BLOCK_R)

@@ -23,9 +23,7 @@ import triton.language as tl
 from kernels import config
 from kernels.fast_launch import launch
 from kernels.norm_scratch import norm_scratch
-from kernels.rms_norm_windows import norm_out
 from kernels.row_lora import row_lora_a, row_lora_term
-from kernels.traced_op import traced_op
 
 TAIL_N = 1024
 """Columns the last program of a row normalises a step."""
@@ -79,32 +77,21 @@ def _add_rms_norm_lora_split_kernel(
                      mask=mask)
 
 
-@traced_op("multilora::add_rms_norm_lora_split", mutates_args=())
-def add_rms_norm_lora_split_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    slots: torch.Tensor, src: torch.Tensor, la: torch.Tensor, b: torch.Tensor,
-    ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, K: int, s_s0: int, s_s1: int,
-    s_as: int, s_ar: int, s_ak: int, s_bs: int, s_bn: int, s_br: int, NUM_SLICES: int,
-    BLOCK_R: int, SHRINK: bool, BLOCK_K: int, NEUTRAL: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + term + residual), x + term + residual)``; the term's arguments are
-    ``PendingLoRA.row_args``'s (one slice, ``SHRINK`` False)."""
-    out, summed = norm_out(x, weight), torch.empty_like(x)
+def add_rms_norm_lora_split(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float, out: torch.Tensor, summed: torch.Tensor,
+                            term: tuple) -> None:
+    """Writes ``norm(x + term + residual)`` to ``out`` and ``x + term + residual`` to
+    ``summed``; ``term``: ``PendingLoRA.row_args()`` (one slice, ``SHRINK`` False)."""
     rows, cols = x.shape
-    if rows:
-        block = min(config.row_block_n(BLOCK_R), config.next_pow2(cols))
-        groups = config.cdiv(cols, block)
-        count, part = norm_scratch(x.device, rows, groups * rows)
-        launch(_add_rms_norm_lora_split_kernel, (rows, groups),
-            x, residual, weight, out, summed, part, count, rows, cols, eps, x.stride(0),
-            residual.stride(0), out.stride(0), summed.stride(0), slots, src, la, b, ranks,
-            scalings, max_rank, K, s_s0, s_s1, s_as, s_ar, s_ak, s_bs, s_bn, s_br,
-            NUM_SLICES=NUM_SLICES, BLOCK_R=BLOCK_R, SHRINK=SHRINK, BLOCK_K=BLOCK_K,
-            NEUTRAL=NEUTRAL, BLOCK=block, GROUPS=groups, GROUPS_P2=config.next_pow2(groups),
-            TAIL_N=min(TAIL_N, config.next_pow2(cols)), num_warps=4)
-    return out, summed
-
-
-@add_rms_norm_lora_split_op.register_fake
-def _(x, residual, weight, eps, *args):
-    return norm_out(x, weight), torch.empty_like(x)
+    if not rows:
+        return
+    *lora, num_slices, block_r, shrink, block_k, neutral = term
+    block = min(config.row_block_n(block_r), config.next_pow2(cols))
+    groups = config.cdiv(cols, block)
+    count, part = norm_scratch(x.device, rows, groups * rows)
+    launch(_add_rms_norm_lora_split_kernel, (rows, groups),
+        x, residual, weight, out, summed, part, count, rows, cols, eps, x.stride(0),
+        residual.stride(0), out.stride(0), summed.stride(0), *lora, NUM_SLICES=num_slices,
+        BLOCK_R=block_r, SHRINK=shrink, BLOCK_K=block_k, NEUTRAL=neutral, BLOCK=block,
+        GROUPS=groups, GROUPS_P2=config.next_pow2(groups),
+        TAIL_N=min(TAIL_N, config.next_pow2(cols)), num_warps=4)

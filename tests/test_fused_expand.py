@@ -292,7 +292,8 @@ def test_norm_with_a_term_matches_expand_then_norm(monkeypatch, epilogue, dtype,
     epilogue = epilogue.removesuffix("_windows").replace("windows", "rows").replace("split",
                                                                                    "rows")
     by_windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op")
-    by_split = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_split_op")
+    by_split = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
+                            when=lambda a: a[4] is True)
     g = torch.Generator().manual_seed(seed)
     # By windows or split (a residual to store into), at least two column groups: the last
     # program of a window or row normalises it.
@@ -476,7 +477,8 @@ def test_graphs_with_the_norms_term_by_split_rows_and_windows_match_the_oracle(m
     monkeypatch.setattr(config, "NORM_ROWS_SPLIT", True)
     monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 9)
     in_graph = lambda a: not config.eager(a[0])  # noqa: E731
-    split = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_split_op", when=in_graph)
+    split = _count_calls(monkeypatch, norm_module, "_add_rms_norm_lora_op",
+                         when=lambda a: in_graph(a) and a[4] is True)
     windows = _count_calls(monkeypatch, norm_module, "add_rms_norm_lora_windows_op",
                            when=in_graph)
     with use_base_backend("triton"):
