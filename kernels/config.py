@@ -458,10 +458,9 @@ def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int, num_slots:
     route first (host-bound: one launch beats a shrink whose term a consumer adds)."""
     return pending_by_rows(x, consumer, max_rank, num_slots) or (
         consumer == "silu_mul" and fused_expand(x.shape[0])) or (
-        consumer == "rope" and pending_by_windows(x, consumer)) or (
+        consumer in ("rope", "norm") and pending_by_windows(x, consumer)
         # eager: the norm by windows only within pending_by_rows's budget (above)
-        consumer == "norm" and x.shape[0] >= GRAPH_WINDOWS_MIN_ROWS.get("norm", sys.maxsize)
-        and not eager(x))
+        and (consumer == "rope" or not eager(x)))
 
 
 DELTA_MAX_ROWS = {
