@@ -66,15 +66,15 @@ def _add_rms_norm_lora_split_kernel(
                                cache_modifier=".cg"), 0)
         tl.store(count_ptr + row, 0)  # left as found: the next launch's counter
         inv = tl.rsqrt(total / cols + eps)
-        for c0 in range(0, cols, TAIL_N):
-            offs = c0 + tl.arange(0, TAIL_N)
-            mask = offs < cols
-            s = tl.load(sum_ptr + row * stride_s + offs, mask=mask, other=0.0,
+        for c0 in range(0, cols, TAIL_N):  # fresh names: a loop may not retype a variable
+            t_offs = c0 + tl.arange(0, TAIL_N)
+            t_mask = t_offs < cols
+            s = tl.load(sum_ptr + row * stride_s + t_offs, mask=t_mask, other=0.0,
                         cache_modifier=".cg")
-            h = (s.to(tl.float32) * inv).to(s.dtype).to(tl.float32)
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty),
-                     mask=mask)
+            hn = (s.to(tl.float32) * inv).to(s.dtype).to(tl.float32)
+            w = tl.load(w_ptr + t_offs, mask=t_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * stride_o + t_offs, (w * hn).to(out_ptr.dtype.element_ty),
+                     mask=t_mask)
 
 
 def add_rms_norm_lora_split(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

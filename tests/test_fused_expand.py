@@ -495,11 +495,17 @@ def test_graphs_with_the_norms_term_by_split_rows_and_windows_match_the_oracle(m
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a CUDA graph keeps the scratch's addresses")
-def test_a_graph_replays_the_norm_by_windows_after_its_scratch_is_outgrown(monkeypatch):
-    """A graph captured with the norm's term by windows keeps its scratch's addresses: when a
-    later, larger forward outgrows the scratch, the old one must stay allocated and zero (a
-    freed one is reused and overwritten: the replay then misreads its counters)."""
-    monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 0)
+@pytest.mark.parametrize("route", ["windows", "split"])
+def test_a_graph_replays_the_norm_after_its_scratch_is_outgrown(monkeypatch, route):
+    """A graph captured with the norm's term by windows or split rows keeps its scratch's
+    addresses: when a later, larger forward outgrows the scratch, the old one must stay
+    allocated and zero (a freed one is reused and overwritten: the replay then misreads its
+    counters). The route runs eagerly first, so the scratch sits outside the graph's pool."""
+    if route == "windows":
+        monkeypatch.setitem(config.GRAPH_WINDOWS_MIN_ROWS, "norm", 0)
+        monkeypatch.setitem(config.PENDING_WINDOWS_MIN_ROWS, "norm", 0)
+    else:
+        monkeypatch.setattr(config, "norm_rows_split", lambda x: True)
     g = torch.Generator().manual_seed(3)
     x, w, layout, _, lora = _problem(g, 3, 16, [4096], 64, [0, 1, 2, 1] * 4, None, 0,
                                      torch.bfloat16)
@@ -507,7 +513,8 @@ def test_a_graph_replays_the_norm_by_windows_after_its_scratch_is_outgrown(monke
               for _ in range(2))
     nw = (1 + 0.1 * torch.randn(4096, generator=g)).to(torch.bfloat16).to(DEVICE)
     monkeypatch.setattr(norm_scratch_module, "_scratch", {})  # the smallest scratch there is
-    want = rms_norm(y, nw, 1e-5, res, lora)
+    rms_norm(y, nw, 1e-5, res, lora)
+    (first,) = norm_scratch_module._scratch.values()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -519,10 +526,17 @@ def test_a_graph_replays_the_norm_by_windows_after_its_scratch_is_outgrown(monke
                                          torch.bfloat16)
     big = torch.randn(gx.shape[0], 4096, device=DEVICE, dtype=torch.bfloat16)
     rms_norm(big, nw, 1e-5, big.clone(), glora)
-    # ...and whatever the allocator hands out next is filled with garbage.
+    (grown,) = norm_scratch_module._scratch.values()
+    assert all(a is not b for a, b in zip(first, grown, strict=True)), "nothing was outgrown"
+    del first, grown
+    # ...and whatever the allocator hands out next is filled with garbage. New inputs: a
+    # replay misled by its counters would otherwise reuse the capture's sums, still right.
     junk = [torch.full((1024,), 7, dtype=torch.int32, device=DEVICE) for _ in range(2048)]
+    for t in (y, res):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     graph.replay()
     torch.cuda.synchronize()
     del junk
+    want = rms_norm(y, nw, 1e-5, res, lora)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,9 +1,9 @@
-"""The consumers' LoRA kernels (RoPE + KV write, SwiGLU, the residual add + RMSNorm; by rows
-and by windows, pending and unshrunk) and the LoRA kernels themselves (shrink, expand, the
-one-launch kernel) compile for the H200
-(sm_90) in bf16, checked on a machine without a GPU: each is launched once under the
-interpreter on a small fp16 problem, and every launch is compiled again for the GPU with its
-fp16 tensors taken as bf16 (``tests/gpu_compile.py``)."""
+"""The consumers' LoRA kernels (RoPE + KV write, SwiGLU, the residual add + RMSNorm; by rows,
+split rows and by windows, pending and unshrunk) and the LoRA kernels themselves (shrink,
+expand, the one-launch kernel) compile for the H200 (sm_90) in bf16, checked on a machine
+without a GPU: each is launched once under the interpreter on a small fp16 problem, and every
+launch is compiled again for the GPU with its fp16 tensors taken as bf16
+(``tests/gpu_compile.py``)."""
 
 from __future__ import annotations
 
@@ -88,11 +88,16 @@ def test_the_lora_kernels_compile_for_the_gpu(monkeypatch):
             for unshrunk in (False, True):
                 with monkeypatch.context() as m:
                     _consumers(m, 20, windows, unshrunk)
+        with monkeypatch.context() as m:  # the norm's pending term by split rows (graphs'),
+            m.setattr(config, "norm_rows_split", lambda x: True)  # groups narrower than its
+            m.setattr(config, "row_block_n", lambda block_r: 16)  # tail's step, as on the GPU
+            _consumers(m, 20, False, False)
         _lora_kernels(20)
     names = {launch["name"] for launch in launches}
     for kernel in ("_rope_kv_lora_windows_kernel", "_add_rms_norm_lora_windows_kernel",
                    "_silu_mul_lora_kernel", "_rope_kv_lora_kernel", "_add_rms_norm_lora_kernel",
-                   "_silu_mul_lora_rows_kernel", "_shrink_kernel", "_expand_kernel",
+                   "_silu_mul_lora_rows_kernel", "_add_rms_norm_lora_split_kernel",
+                   "_shrink_kernel", "_expand_kernel",
                    "_shrink_expand_kernel"):
         assert kernel in names, f"{kernel} was never launched: the routes were not forced"
     failures = compile_for_gpu(launches)
