@@ -193,7 +193,7 @@ def run(args) -> list[dict]:
                 f"and a KV cache for every batch size ({sum(args.bs)} requests of each traffic)."
                 f" Pass fewer variants, fewer --layers or smaller --bs. ({e})") from None
     samples = {(p.variant.name, bs): ([], []) for p in prepared for bs in args.bs}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for bs in args.bs:
             for p in prepared:
                 lb, bb = p.batches[bs]
@@ -201,6 +201,9 @@ def run(args) -> list[dict]:
                 with knobs_of(p.variant):  # a step's host side reads knobs too
                     lora.append(p.time(lb, args.reps))
                     base.append(p.time(bb, args.reps))
+                # stderr, as it comes: a run cut short (a time limit) still tells its rounds
+                print(f"round {round_ + 1}/{args.rounds} bs {bs} {p.variant.name}: LoRA "
+                      f"{lora[-1]:.1f} us, base {base[-1]:.1f} us", file=sys.stderr, flush=True)
     rows = []
     for bs in args.bs:
         for p in prepared:
