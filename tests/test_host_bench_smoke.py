@@ -73,19 +73,40 @@ def test_the_plan_benchmark_plans_each_round_and_the_cache_hit_is_timed_apart():
         world.reset()
 
 
-@pytest.mark.parametrize("option", [
-    ("--host-batch-sizes", "1,x"), ("--host-batch-sizes", "0"), ("--host-threads", "0"),
-    ("--host-devices", "gpu"), ("--host-targets", "foo"), ("--host-context", "0")])
-def test_a_bad_host_option_is_one_usage_error_naming_it(tmp_path, option):
+BAD_OPTIONS = [("--host-batch-sizes", "1,x"), ("--host-batch-sizes", "0"), ("--host-threads", "0"),
+               ("--host-devices", "gpu"), ("--host-targets", "foo"), ("--host-context", "0")]
+
+
+@pytest.fixture(scope="module")
+def bad_option_runs(tmp_path_factory):
+    """Every bad option's run, started together: each is mostly Python's and torch's start-up,
+    so on a small CI machine they overlap instead of queueing one after another."""
+    started = {}
+    for option in BAD_OPTIONS:
+        out = tmp_path_factory.mktemp("bad-option")
+        cmd = [sys.executable, "-m", "bench.host", "--out", str(out), "-p", "no:cacheprovider",
+               *option]
+        started[option] = (out, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT, text=True))
+    runs = {}
+    try:
+        for option, (out, p) in started.items():
+            text, _ = p.communicate(timeout=180)
+            runs[option] = (p.returncode, text, out)
+    finally:
+        for _, p in started.values():
+            p.kill()
+    return runs
+
+
+@pytest.mark.parametrize("option", BAD_OPTIONS)
+def test_a_bad_host_option_is_one_usage_error_naming_it(bad_option_runs, option):
     """Each was a collection traceback, an INTERNALERROR or an error in every test's set-up,
     none naming the flag; no run file is kept."""
-    flag, value = option
-    cmd = [sys.executable, "-m", "bench.host", "--out", str(tmp_path), "-p", "no:cacheprovider",
-           flag, value]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    out = p.stdout + p.stderr
-    assert p.returncode == 4, out[-3000:]
+    returncode, out, folder = bad_option_runs[option]
+    flag = option[0]
+    assert returncode == 4, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("ERROR: ")]
     assert len(errors) == 1 and flag in errors[0], out[-3000:]
     assert "Traceback" not in out and "INTERNALERROR" not in out
-    assert not list(tmp_path.glob("*.json"))
+    assert not list(folder.glob("*.json"))
