@@ -528,14 +528,21 @@ def test_a_graph_replays_the_norm_after_its_scratch_is_outgrown(monkeypatch, rou
     rms_norm(big, nw, 1e-5, big.clone(), glora)
     (grown,) = norm_scratch_module._scratch.values()
     assert all(a is not b for a, b in zip(first, grown, strict=True)), "nothing was outgrown"
+    old = {t.data_ptr() for t in first}
     del first, grown
-    # ...and whatever the allocator hands out next is filled with garbage. New inputs: a
-    # replay misled by its counters would otherwise reuse the capture's sums, still right.
-    junk = [torch.full((1024,), 7, dtype=torch.int32, device=DEVICE) for _ in range(2048)]
+    # ...and whatever the allocator hands out next is filled with garbage: counts no program
+    # reaches (a replay on them would normalise nothing). New inputs: a replay misled by its
+    # counters would otherwise reuse the capture's sums, still right.
+    junk = [torch.full((1024,), 1 << 20, dtype=torch.int32, device=DEVICE)
+            for _ in range(2048)]
     for t in (y, res):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     graph.replay()
     torch.cuda.synchronize()
+    # The hazard itself: the replay wrote memory the allocator had handed to someone else.
+    reused = [j for j in junk if j.data_ptr() in old]
+    assert not reused, "the outgrown scratch was freed and handed out again"
+    assert all(bool((j == 1 << 20).all()) for j in junk), "the replay wrote into freed memory"
     del junk
     want = rms_norm(y, nw, 1e-5, res, lora)
     for a, b in zip(got, want, strict=True):
