@@ -28,6 +28,28 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
     )
 
 
+def check_q_and_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The attention launchers' common checks: ``q`` ``[rows, heads, head_dim]`` (checked 3-D
+    by the caller) with a contiguous head_dim, the caches ``[slots, kv_heads, head_dim]`` in
+    its dtype and on its device, heads a multiple of kv_heads. Returns kv_heads."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    check_dtype("q", q)
+    check(q.stride(2) == 1, lambda: f"q must have a contiguous head_dim, got strides {q.stride()}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check(c.dim() == 3 and c.shape[2] == head_dim and c.stride(2) == 1,
+              lambda: f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
+              f"shape {tuple(c.shape)} strides {c.stride()}")
+        check(c.dtype == q.dtype and c.device == q.device,
+              lambda: f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep "
+              f"the KV cache in the model dtype")
+    check(k_cache.shape == v_cache.shape, lambda: f"k_cache {tuple(k_cache.shape)} and v_cache "
+          f"{tuple(v_cache.shape)} differ")
+    kv_heads = k_cache.shape[1]
+    check(heads % kv_heads == 0, lambda: f"q has {heads} heads, not a multiple of the cache's "
+          f"{kv_heads} KV heads")
+    return kv_heads
+
+
 def check_layout(layout: SegmentLayout | None, rows: int, device: torch.device, what: str,
                  neutral_slot: int) -> None:
     """``neutral_slot``: the weights' (``LoRAWeights.neutral_slot``, ``lora_a.shape[0]``); a

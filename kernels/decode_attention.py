@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.checks import check, check_dtype
+from kernels.checks import check, check_q_and_kv_cache
 from kernels.fast_launch import launch
 from kernels.traced_op import traced_op
 
@@ -180,21 +180,8 @@ def decode_attention(
     ``splits`` overrides the context-split heuristic and ``tiles`` = (block_n, num_warps,
     num_stages) the ``TILES`` default (tests, tuning)."""
     check(q.dim() == 3, lambda: f"q must be [bs, heads, head_dim], got shape {tuple(q.shape)}")
-    bs, heads, head_dim = q.shape
-    check_dtype("q", q)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check(c.dim() == 3 and c.shape[2] == head_dim and c.stride(2) == 1,
-              lambda: f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
-              f"shape {tuple(c.shape)} strides {c.stride()}")
-        check(c.dtype == q.dtype and c.device == q.device,
-              lambda: f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep "
-              f"the KV cache in the model dtype")
-    check(k_cache.shape == v_cache.shape, lambda: f"k_cache {tuple(k_cache.shape)} and v_cache "
-          f"{tuple(v_cache.shape)} differ")
-    kv_heads = k_cache.shape[1]
-    check(heads % kv_heads == 0, lambda: f"q has {heads} heads, not a multiple of the cache's "
-          f"{kv_heads} KV heads")
-    check(q.stride(2) == 1, lambda: f"q must have a contiguous head_dim, got strides {q.stride()}")
+    bs = q.shape[0]
+    kv_heads = check_q_and_kv_cache(q, k_cache, v_cache)
     check(kv_indices.dim() == 2 and kv_indices.shape[0] == bs and kv_indices.stride(1) == 1,
           lambda: f"kv_indices must be [{bs}, max_context] with contiguous rows, got shape "
           f"{tuple(kv_indices.shape)} strides {kv_indices.stride()}")

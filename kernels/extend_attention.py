@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.checks import check, check_dtype
+from kernels.checks import check, check_q_and_kv_cache
 from kernels.fast_launch import launch
 from kernels.traced_op import traced_op
 
@@ -155,20 +155,7 @@ def extend_attention(
     request i's context length minus its new tokens. Rows past ``q_starts[-1]`` are zero.
     ``tiles`` = (block_m, block_n, num_warps, num_stages) overrides ``TILES`` (tuning)."""
     check(q.dim() == 3, lambda: f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
-    t, heads, head_dim = q.shape
-    check_dtype("q", q)
-    check(q.stride(2) == 1, lambda: f"q must have a contiguous head_dim, got strides {q.stride()}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check(c.dim() == 3 and c.shape[2] == head_dim and c.stride(2) == 1,
-              lambda: f"{name} must be [slots, kv_heads, {head_dim}] with contiguous head_dim, got "
-              f"shape {tuple(c.shape)} strides {c.stride()}")
-        check(c.dtype == q.dtype and c.device == q.device,
-              lambda: f"{name} is {c.dtype} on {c.device} but q is {q.dtype} on {q.device}; keep "
-              f"the KV cache in the model dtype")
-    check(k_cache.shape == v_cache.shape, lambda: f"k_cache {tuple(k_cache.shape)} and v_cache "
-          f"{tuple(v_cache.shape)} differ")
-    check(heads % k_cache.shape[1] == 0, lambda: f"q has {heads} heads, not a multiple of the "
-          f"cache's {k_cache.shape[1]} KV heads")
+    check_q_and_kv_cache(q, k_cache, v_cache)
     check(kv_indices.dim() == 1 and kv_indices.stride(0) == 1,
           lambda: f"kv_indices must be 1-D contiguous, got shape {tuple(kv_indices.shape)}")
     check(q_starts.dim() == 1 and q_starts.shape[0] >= 1 and kv_starts.shape == q_starts.shape,
