@@ -25,10 +25,10 @@ from kernels.expand import (
     launch_shape,
     load_b_tile,
 )
-from kernels.fast_launch import launch
+from kernels.fast_launch import bind, launch
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args, shrink_rows
-from kernels.traced_op import traced_op
+from kernels.traced_op import traced_op, tracing
 from kernels.weights import LoRAWeights
 
 
@@ -69,22 +69,35 @@ def _shrink_expand_op(
     block_ends: torch.Tensor, block_m: int, num_groups: int, block_n: int, block_k: int,
     tiles: int, num_warps: int, col_align: int,
 ) -> None:
-    grid = (block_slots.shape[0], num_groups)
+    grid, args, kwargs = _launch_args(
+        x, lora_a, lora_b, y, ranks, scalings, slice_offsets, permutation, block_slots,
+        block_starts, block_ends, block_m, num_groups, block_n, block_k, tiles, num_warps,
+        col_align)
     if y.shape[0] == 0 or grid[0] == 0:
         return
     # Here, not in the launcher: a traced replay runs this body on its real tensors (a
     # tracer's fake ones have no memory to compare).
-    check(not shares_memory(x, y), lambda: "lora_shrink_expand: y shares memory with x; each "
-          "program recomputes x's shrink while others add into y. Add in place with "
-          "lora_expand(lora_shrink(x, ...), ..., y, ...), or pass a y of its own")
+    _check_apart(x, y)
+    launch(_shrink_expand_kernel, grid, *args, **kwargs)
+
+
+def _launch_args(x, lora_a, lora_b, y, ranks, scalings, slice_offsets, permutation,
+                 block_slots, block_starts, block_ends, block_m, num_groups, block_n, block_k,
+                 tiles, num_warps, col_align) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of the kernel's launch; ``x`` and ``y`` at args 0 and 3."""
     max_rank = lora_b.shape[2]
-    launch(_shrink_expand_kernel, grid,
+    return (block_slots.shape[0], num_groups), (
         x, lora_a, lora_b, y, permutation, block_slots, block_starts, block_ends, ranks,
         scalings, slice_offsets, *x.stride(), *y.stride(), x.shape[1], max_rank,
         *lora_a.stride(), *lora_b.stride(), slice_offsets.shape[0] - 1, block_m, block_n,
         config.rank_block(max_rank), block_k, tiles, col_align,
-        config.dot_precision(lora_b.dtype), num_warps=num_warps,
-    )
+        config.dot_precision(lora_b.dtype)), {"num_warps": num_warps}
+
+
+def _check_apart(x: torch.Tensor, y: torch.Tensor) -> None:
+    check(not shares_memory(x, y), lambda: "lora_shrink_expand: y shares memory with x; each "
+          "program recomputes x's shrink while others add into y. Add in place with "
+          "lora_expand(lora_shrink(x, ...), ..., y, ...), or pass a y of its own")
 
 
 def lora_shrink_expand(
@@ -97,9 +110,18 @@ def lora_shrink_expand(
     block_n: int | None = None,
 ) -> None:
     """Adds ``x``'s LoRA term to ``y`` in place, like ``lora_expand(lora_shrink(x), y)``, in
-    one launch. ``block_k``, ``tiles``, ``block_n`` override the launch heuristics (tests)."""
-    _shrink_expand_op(x, weights.lora_a, weights.lora_b, y,
-                      *_checked_tail(x, weights, y, layout, (block_k, tiles, block_n)))
+    one launch. ``block_k``, ``tiles``, ``block_n`` override the launch heuristics (tests).
+    A signature launched before (``_checked_tail``) goes through its ``BoundLaunch``: only
+    ``x`` and ``y`` change between such calls, and an eager module's launch is host-bound."""
+    entry = _checked_tail(x, weights, y, layout, (block_k, tiles, block_n))
+    if entry.bound is not None and not tracing():
+        _check_apart(x, y)
+        entry.bound(x, y)
+        return
+    _shrink_expand_op(x, weights.lora_a, weights.lora_b, y, *entry.tail)
+    if not tracing() and y.shape[0] and entry.tail[4].shape[0]:  # blocks: a launch was made
+        grid, args, kwargs = _launch_args(x, weights.lora_a, weights.lora_b, y, *entry.tail)
+        entry.bound = bind(_shrink_expand_kernel, grid, (0, 3), *args, **kwargs)
 
 
 def shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -137,13 +159,24 @@ def _rows_meet(x: torch.Tensor, y: torch.Tensor, d: int) -> bool:
     return max(lo, 1 - n) <= min(hi, n - 1)
 
 
+class _OneLaunch:
+    """A checked signature's launch arguments after ``x, A, B, y``, and its ``BoundLaunch``
+    once it has launched (None before, under the interpreter, or where launches go through
+    Triton)."""
+
+    __slots__ = ("tail", "bound")
+
+    def __init__(self, tail: tuple) -> None:
+        self.tail, self.bound = tail, None
+
+
 def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,
-                  layout: SegmentLayout | None, overrides: tuple) -> tuple:
-    """The op's arguments after ``x, A, B, y``, from the shrink's and the expand's checks in
-    full once per signature (the weights' and the layout's tensors, ``x``'s and ``y``'s
-    dtype, device, columns and strides, the overrides); after that, the rows only. An eager
-    module's one launch spent more host time on its checks and heuristics than on the launch
-    (it is called once a module per eager forward of few rows)."""
+                  layout: SegmentLayout | None, overrides: tuple) -> _OneLaunch:
+    """The op's arguments after ``x, A, B, y`` (``.tail``), from the shrink's and the
+    expand's checks in full once per signature (the weights' and the layout's tensors, ``x``'s
+    and ``y``'s dtype, device, columns and strides, the overrides); after that, the rows only.
+    An eager module's one launch spent more host time on its checks and heuristics than on
+    the launch (it is called once a module per eager forward of few rows)."""
     w = weights
     held = (layout, w.lora_a, w.lora_b, w.ranks, w.scalings, w.slice_offsets)
     seen, sig = w.one_launch_checked, None
@@ -167,5 +200,6 @@ def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,
     tail = (w.ranks, w.scalings, w.slice_offsets, layout.permutation, layout.block_slots,
             layout.block_starts, layout.block_ends, layout.block_m, num_groups, block_n,
             block_k, tiles, num_warps, w.column_align)
-    w.one_launch_checked = (held, sig, tail)
-    return tail
+    entry = _OneLaunch(tail)
+    w.one_launch_checked = (held, sig, entry)
+    return entry

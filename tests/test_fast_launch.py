@@ -153,6 +153,50 @@ def test_launch_hooks_send_launches_through_the_jit(monkeypatch):
     assert fl.direct_launch_possible()
 
 
+def test_a_bound_launch_changes_only_its_dynamic_tensors(gpu_like):
+    k, t, u = FakeKernel(), torch.randn(64), torch.randn(64)
+    assert fl.bind(k, (2,), (0,), t, 7, BLOCK=32) is None  # no launcher met yet
+    fl.launch(k, (2,), t, 7, BLOCK=32)
+    bound = fl.bind(k, (2,), (0,), t, 7, BLOCK=32)
+    assert bound is not None and len(k.jit) == 1
+    bound(u)
+    (call,) = k.direct
+    assert call[:9] == (2, 1, 1, 1234, "fn", "meta", None, None, None)
+    assert call[9] is u and call[10:] == (7, 32)
+    assert fl.bind(k, (2,), (1,), t, 7, BLOCK=32) is None  # only tensors may change
+
+
+@pytest.mark.parametrize("other", [
+    lambda t: t[1:],  # fp32 view 4 bytes in: not 16-aligned
+    lambda t: t.half(),  # another dtype
+])
+def test_a_bound_launch_given_another_specialization_goes_through_launch(gpu_like, other):
+    k, t = FakeKernel(), torch.randn(64)
+    fl.launch(k, (1,), t, 7, BLOCK=32)
+    bound = fl.bind(k, (1,), (0,), t, 7, BLOCK=32)
+    u = other(t)
+    bound(u)
+    assert len(k.jit) == 2 and not k.direct and k.jit[-1][1][0] is u  # a key of its own
+    bound(u)  # launch() has met that key now: direct, with u
+    assert len(k.direct) == 1 and k.direct[0][9] is u
+
+
+def test_a_bound_launch_follows_hooks_and_broken_launchers(gpu_like, monkeypatch):
+    k, t = FakeKernel(), torch.randn(64)
+    fl.launch(k, (1,), t, 7, BLOCK=32)
+    bound = fl.bind(k, (1,), (0,), t, 7, BLOCK=32)
+    monkeypatch.setattr(fl, "direct_launch_possible", lambda: False)  # a profiler's hooks
+    bound(t)
+    assert len(k.jit) == 2 and not k.direct
+    monkeypatch.setattr(fl, "direct_launch_possible", lambda: True)
+    k.direct_error = TypeError("launcher signature differs")
+    bound(t)
+    assert len(k.direct) == 1 and len(k.jit) == 3  # retried by the JIT, marked broken
+    bound(t)
+    fl.launch(k, (1,), t, 7, BLOCK=32)
+    assert len(k.direct) == 1 and len(k.jit) == 5
+
+
 def _pool(rng: random.Random) -> list:
     base = torch.empty(256, dtype=torch.float32)
     half = torch.empty(256, dtype=torch.float16)
@@ -204,3 +248,31 @@ def test_real_launches_follow_alignment_and_sizes_on_the_gpu():
     # keys: aligned n=4096 (twice: the second direct), misaligned, n=1, n=3000 (i32, not /16)
     assert fl.direct_launch_possible(), "no hooks, not interpreted: launches must go direct"
     assert len(fl._plans[_copy_kernel].launchers) == 4
+
+
+@pytest.mark.gpu
+def test_the_one_launch_lora_term_through_its_bound_launch_on_the_gpu():
+    """``lora_shrink_expand`` binds its launch after the first call of a signature; later
+    calls with new x and y (one of them a misaligned view) add the same term as the
+    reference."""
+    from kernels import LoRAWeights, SegmentLayout, plan_segments
+    from kernels.reference import expand_reference, shrink_reference
+    from kernels.shrink_expand import lora_shrink_expand
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = LoRAWeights.for_linear(3, 256, (128, 64), 16, torch.float16, "cuda")
+    w.lora_a.normal_(generator=g).mul_(256**-0.5)
+    w.lora_b.normal_(generator=g)
+    w.ranks[:3] = torch.tensor([16, 8, 4], dtype=w.ranks.dtype)
+    w.scalings[:3] = 0.5
+    layout = SegmentLayout.from_plan(plan_segments([0, 2, 1, 0, 2], block_m=16), "cuda")
+    buf = torch.randn(5 * 192 + 8, device="cuda", dtype=torch.float16, generator=g)
+    for i, off in enumerate((0, 0, 8, 1)):  # a misaligned y after the binding
+        x = torch.randn(5, 256, device="cuda", dtype=torch.float16, generator=g)
+        y = buf[off:off + 5 * 192].view(5, 192)
+        want = y.clone()
+        expand_reference(shrink_reference(x, w, layout), w, want, layout)
+        lora_shrink_expand(x, w, y, layout)
+        torch.testing.assert_close(y, want, rtol=2e-3, atol=2e-3)
+        bound = w.one_launch_checked[2].bound
+        assert (bound is None) == (i == 0 or not fl.direct_launch_possible())
