@@ -51,6 +51,24 @@ def shrink_k_block(block_r: int, k: int) -> int:
     return max(16, min(cap, next_pow2(k)))
 
 
+def one_launch_k_block(block_r: int, block_m: int, k: int, elt: int, programs: int,
+                       device: torch.device) -> int:
+    """K columns a one-launch program's shrink loads a step (``kernels.shrink_expand``). Each
+    program walks the whole K alone, so a grid within one wave of the device (a few rows'
+    module) is bound by the walk's steps: it takes the widest step whose x and A tiles stay
+    within 64 KB (three pipeline stages in the SM's shared memory), up to 1024 columns. A
+    larger grid keeps ``shrink_k_block`` (its programs share the SMs). H100, the launch
+    alone in a graph, us at 256 / 512 / 1024 columns: T=1 down 29.8 / 22.3 / 20.8, qkv 10.5 /
+    8.4 / 8.3, o_proj 10.1 / 8.2 / 8.2, gate_up (224 programs) 13.0 / 12.7 / 15.7; T=16 with
+    8 adapters (256 programs and more) gate_up 38.3 / 50.2 / 55.1, down 38.7 / 36.7 / 40.8."""
+    step = shrink_k_block(block_r, k)
+    if programs > programs_wanted(device) // 4:  # more than one program an SM
+        return step
+    while step < min(1024, next_pow2(k)) and (block_m + block_r) * 2 * step * elt <= 65536:
+        step *= 2
+    return step
+
+
 SHRINK_PROGRAMS = int(os.environ.get("MULTILORA_SHRINK_PROGRAMS", "0"))
 """Programs the shrink's K split aims for (0: ``programs_wanted``). Read at import; A/B runs."""
 

@@ -194,7 +194,9 @@ def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,
     num_groups, block_n, tiles, num_warps = launch_shape(
         w.slice_widths, layout.block_m, layout.block_slots.shape[0], w.max_rank, y.device,
         tiles, block_n, None, one_launch=True)
-    block_k = block_k or config.shrink_k_block(config.rank_block(w.max_rank), x.shape[1])
+    block_k = block_k or config.one_launch_k_block(
+        config.rank_block(w.max_rank), layout.block_m, x.shape[1], x.element_size(),
+        layout.block_slots.shape[0] * num_groups, y.device)
     check(block_k >= 16 and block_k & (block_k - 1) == 0,
           lambda: f"block_k must be a power of two >= 16, got {block_k}")
     tail = (w.ranks, w.scalings, w.slice_offsets, layout.permutation, layout.block_slots,

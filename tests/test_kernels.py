@@ -92,6 +92,46 @@ def test_one_launch_matches_float64_and_the_two_launches(dtype, data):
     assert err <= allowed + 1e-300, f"one launch differs from shrink + expand: {err:.3e}"
 
 
+def test_the_one_launch_k_step_widens_only_for_one_wave_within_shared_memory(monkeypatch):
+    from kernels import config
+
+    monkeypatch.setattr(config, "programs_wanted", lambda device: 4 * 132)
+    cuda = torch.device("cuda")
+    for block_r in (16, 32, 64, 128):
+        for block_m in (16, 64):
+            for k in (16, 100, 4096, 14336):
+                for elt in (2, 4):
+                    base = config.shrink_k_block(block_r, k)
+                    wide = config.one_launch_k_block(block_r, block_m, k, elt, 132, cuda)
+                    assert config.one_launch_k_block(block_r, block_m, k, elt, 133, cuda) == base
+                    assert base <= wide <= max(base, min(1024, config.next_pow2(k)))
+                    assert wide == base or (block_m + block_r) * wide * elt <= 65536
+    assert config.one_launch_k_block(16, 16, 14336, 2, 32, cuda) == 1024  # down at T=1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,widths", [(14336, (4096,)), (4096, (4096, 1024, 1024))],
+                         ids=["down", "qkv"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_one_launch_with_its_widest_k_step_matches_float64(k, widths, dtype):
+    """Llama-3-8B shapes at one and four rows: the grid fits one wave, so the shrink's K step
+    widens to what shared memory holds (1024 columns in bf16, 512 in fp32)."""
+    g = torch.Generator().manual_seed(5)
+    w = LoRAWeights.for_linear(2, k, widths, 16, dtype, DEVICE)
+    w.lora_a.copy_(torch.randn(w.lora_a.shape, generator=g) * k**-0.5)
+    w.lora_b.copy_(torch.randn(w.lora_b.shape, generator=g) * 0.25)
+    w.ranks[:2] = torch.tensor([[16] * len(widths), [5] * len(widths)], dtype=w.ranks.dtype)
+    w.scalings[:2] = 1.5
+    for slots in ([1], [0, 1, 1, 0]):
+        layout = SegmentLayout.from_plan(plan_segments(slots, block_m=16), DEVICE)
+        x = _input(len(slots), k, dtype, 11)
+        y0 = _input(len(slots), sum(widths), dtype, 12)
+        y = y0.clone()
+        lora_shrink_expand(x, w, y, layout)
+        assert_added(y, y0, lora_delta_f64(x, w, slots), dtype,
+                     lora_delta_f64(x, w, slots, magnitude=True))
+
+
 def test_a_term_that_cancels_is_judged_by_its_magnitude():
     """``A @ x`` at ~1e-3 of ``|A| |x|`` (a draw CI met: rank 1, one row, K=86): two summation
     orders (one launch with block_k=32, and shrink + expand) differ by up to ~1e-4 of the
