@@ -267,7 +267,7 @@ def test_the_one_launch_lora_term_through_its_bound_launch_on_the_gpu():
     w.scalings[:3] = 0.5
     layout = SegmentLayout.from_plan(plan_segments([0, 2, 1, 0, 2], block_m=16), "cuda")
     buf = torch.randn(5 * 192 + 8, device="cuda", dtype=torch.float16, generator=g)
-    for i, off in enumerate((0, 0, 8, 1)):  # a misaligned y after the binding
+    for off in (0, 0, 8, 1):  # a misaligned y after the binding
         x = torch.randn(5, 256, device="cuda", dtype=torch.float16, generator=g)
         y = buf[off:off + 5 * 192].view(5, 192)
         want = y.clone()
