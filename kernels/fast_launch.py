@@ -177,6 +177,8 @@ class BoundLaunch:
         self.dynamic, self.plan, self.hit, self.device, self.full = (
             dynamic, plan, hit, device, full)
         self.specs = tuple((args[i].dtype, args[i].data_ptr() & 15 == 0) for i in dynamic)
+        for i in dynamic:  # each call brings its own: holding the first would pin its memory
+            args[i] = full[i] = None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if (not self.plan.broken and direct_launch_possible()
