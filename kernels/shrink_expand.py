@@ -111,17 +111,21 @@ def lora_shrink_expand(
 ) -> None:
     """Adds ``x``'s LoRA term to ``y`` in place, like ``lora_expand(lora_shrink(x), y)``, in
     one launch. ``block_k``, ``tiles``, ``block_n`` override the launch heuristics (tests).
-    A signature launched before (``_checked_tail``) goes through its ``BoundLaunch``: only
-    ``x`` and ``y`` change between such calls, and an eager module's launch is host-bound."""
+    A signature launched twice before (``_checked_tail``) goes through its ``BoundLaunch``:
+    only ``x`` and ``y`` change between such calls, and an eager module's launch is
+    host-bound."""
     entry = _checked_tail(x, weights, y, layout, (block_k, tiles, block_n))
     if entry.bound is not None and not tracing():
         _check_apart(x, y)
         entry.bound(x, y)
         return
     _shrink_expand_op(x, weights.lora_a, weights.lora_b, y, *entry.tail)
-    if not tracing() and y.shape[0] and entry.tail[4].shape[0]:  # blocks: a launch was made
+    # Bound at the signature's second launch: binding costs about one key, which a signature
+    # met once (a batch that changes at every step) would pay for nothing.
+    if entry.launched and not tracing() and y.shape[0] and entry.tail[4].shape[0]:
         grid, args, kwargs = _launch_args(x, weights.lora_a, weights.lora_b, y, *entry.tail)
         entry.bound = bind(_shrink_expand_kernel, grid, (0, 3), *args, **kwargs)
+    entry.launched = True
 
 
 def shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -161,13 +165,13 @@ def _rows_meet(x: torch.Tensor, y: torch.Tensor, d: int) -> bool:
 
 class _OneLaunch:
     """A checked signature's launch arguments after ``x, A, B, y``, and its ``BoundLaunch``
-    once it has launched (None before, under the interpreter, or where launches go through
-    Triton)."""
+    once it has launched twice (None before, under the interpreter, or where launches go
+    through Triton)."""
 
-    __slots__ = ("tail", "bound")
+    __slots__ = ("tail", "bound", "launched")
 
     def __init__(self, tail: tuple) -> None:
-        self.tail, self.bound = tail, None
+        self.tail, self.bound, self.launched = tail, None, False
 
 
 def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,

@@ -197,6 +197,26 @@ def test_a_bound_launch_follows_hooks_and_broken_launchers(gpu_like, monkeypatch
     assert len(k.direct) == 1 and len(k.jit) == 5
 
 
+def test_the_one_launch_term_binds_at_a_signatures_second_launch(monkeypatch):
+    """A signature met once (a batch that changes every step) is not bound: binding costs a
+    key; from its second launch it is (here the spy's None keeps every call on the op)."""
+    import kernels.shrink_expand as se
+    from kernels import LoRAWeights, SegmentLayout, plan_segments
+
+    binds = []
+    monkeypatch.setattr(se, "bind", lambda *a, **k: binds.append(a[2]))
+    w = LoRAWeights.for_linear(2, 32, (16,), 4, torch.float32, "cpu")
+    w.ranks[:2] = 4
+    x, y = torch.randn(3, 32), torch.zeros(3, 16)
+    for slots, calls in (([0, 1, 0], 3), ([1, 1, 0], 2)):  # the second: a new signature
+        binds.clear()
+        layout = SegmentLayout.from_plan(plan_segments(slots, block_m=16), "cpu")
+        for n in range(calls):
+            assert len(binds) == max(0, n - 1)
+            se.lora_shrink_expand(x, w, y, layout)
+        assert binds == [(0, 3)] * (calls - 1)  # x and y: the tensors that change
+
+
 def _pool(rng: random.Random) -> list:
     base = torch.empty(256, dtype=torch.float32)
     half = torch.empty(256, dtype=torch.float16)
@@ -252,7 +272,7 @@ def test_real_launches_follow_alignment_and_sizes_on_the_gpu():
 
 @pytest.mark.gpu
 def test_the_one_launch_lora_term_through_its_bound_launch_on_the_gpu():
-    """``lora_shrink_expand`` binds its launch at the first call of a signature; later
+    """``lora_shrink_expand`` binds its launch at the second call of a signature; later
     calls with new x and y (one of them a misaligned view) add the same term as the
     reference."""
     from kernels import LoRAWeights, SegmentLayout, plan_segments
@@ -267,7 +287,7 @@ def test_the_one_launch_lora_term_through_its_bound_launch_on_the_gpu():
     w.scalings[:3] = 0.5
     layout = SegmentLayout.from_plan(plan_segments([0, 2, 1, 0, 2], block_m=16), "cuda")
     buf = torch.randn(5 * 192 + 8, device="cuda", dtype=torch.float16, generator=g)
-    for off in (0, 0, 8, 1):  # a misaligned y after the binding
+    for i, off in enumerate((0, 0, 8, 8, 1)):  # a misaligned y after the binding
         x = torch.randn(5, 256, device="cuda", dtype=torch.float16, generator=g)
         y = buf[off:off + 5 * 192].view(5, 192)
         want = y.clone()
@@ -275,4 +295,4 @@ def test_the_one_launch_lora_term_through_its_bound_launch_on_the_gpu():
         lora_shrink_expand(x, w, y, layout)
         torch.testing.assert_close(y, want, rtol=2e-3, atol=2e-3)
         bound = w.one_launch_checked[2].bound
-        assert (bound is None) == (not fl.direct_launch_possible())  # bound from the first
+        assert (bound is None) == (i == 0 or not fl.direct_launch_possible())  # from the 2nd
