@@ -25,7 +25,7 @@ from kernels.expand import (
     launch_shape,
     load_b_tile,
 )
-from kernels.fast_launch import bind, launch
+from kernels.fast_launch import bind, direct_launch_possible, launch
 from kernels.segments import SegmentLayout
 from kernels.shrink import check_shrink_args, shrink_rows
 from kernels.traced_op import traced_op, tracing
@@ -122,9 +122,10 @@ def lora_shrink_expand(
     _shrink_expand_op(x, weights.lora_a, weights.lora_b, y, *entry.tail)
     # Bound at the signature's second launch: binding costs about one key, which a signature
     # met once (a batch that changes at every step) would pay for nothing.
-    if entry.launched and not tracing() and y.shape[0] and entry.tail[4].shape[0]:
+    if entry.launched and y.shape[0] and direct_launch_possible() and not tracing():
         grid, args, kwargs = _launch_args(x, weights.lora_a, weights.lora_b, y, *entry.tail)
-        entry.bound = bind(_shrink_expand_kernel, grid, (0, 3), *args, **kwargs)
+        if grid[0]:  # else nothing was launched, nor is there a launcher to bind
+            entry.bound = bind(_shrink_expand_kernel, grid, (0, 3), *args, **kwargs)
     entry.launched = True
 
 

@@ -205,6 +205,7 @@ def test_the_one_launch_term_binds_at_a_signatures_second_launch(monkeypatch):
 
     binds = []
     monkeypatch.setattr(se, "bind", lambda *a, **k: binds.append(a[2]))
+    monkeypatch.setattr(se, "direct_launch_possible", lambda: True)  # as on a GPU
     w = LoRAWeights.for_linear(2, 32, (16,), 4, torch.float32, "cpu")
     w.ranks[:2] = 4
     x, y = torch.randn(3, 32), torch.zeros(3, 16)
