@@ -83,3 +83,26 @@ def _caller_made_the_group(rank: int) -> None:
 
 def test_a_group_the_caller_made_keeps_its_timeout_and_dp_uses_its_own():
     spawn(_caller_made_the_group, 2, timeout_s=2)
+
+
+def _aborts_in_teardown(rank: int, out_dir: str) -> None:
+    """Work done and written, then an abort in the interpreter's teardown, as gloo's threads
+    did in CI after a clean shutdown: the rank must count as done."""
+    import atexit
+    atexit.register(os.abort)
+    with open(os.path.join(out_dir, f"done{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_a_rank_whose_work_is_done_is_not_failed_by_the_interpreter_teardown(tmp_path):
+    spawn(_aborts_in_teardown, 2, str(tmp_path), timeout_s=10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done0", "done1"]
+
+
+def _raises(rank: int) -> None:
+    raise ValueError(f"rank {rank} refused its input")
+
+
+def test_a_rank_that_raises_still_fails_spawn_naming_its_error():
+    with pytest.raises(Exception, match="refused its input"):
+        spawn(_raises, 2, timeout_s=10)
