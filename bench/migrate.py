@@ -110,15 +110,29 @@ def _model_row(r: dict, lora_adapters: dict) -> dict:
 
 def _check_current(data: dict) -> None:
     """The fields every reader of a schema-2 file relies on."""
-    if "runs" not in data:
+    if not isinstance(data.get("runs"), dict):
         raise MalformedResultFile("no 'runs' object")
+    for run_id, run in data["runs"].items():
+        _check_run(run_id, run)
     for i, r in enumerate(data["rows"]):
-        missing = [k for k in ("suite", "label", "case_key", "variant", "verification")
-                   if k not in r]
+        missing = [k for k in ("suite", "label", "case_key", "variant", "verification",
+                               "run_id") if k not in r]
         if missing:
             raise MalformedResultFile(f"row {i} has no {', '.join(missing)}")
+        for k in ("suite", "run_id"):
+            if not isinstance(r[k], str):
+                raise MalformedResultFile(f"row {i}: {k!r} is not text (got {r[k]!r})")
         if not isinstance(r["case_key"], list) or not isinstance(r["variant"], list):
             raise MalformedResultFile(f"row {i}: 'case_key' and 'variant' must be lists")
+        named = r["case_key"] + r["variant"]
+        if not all(isinstance(k, str) for k in named):
+            raise MalformedResultFile(f"row {i}: 'case_key' and 'variant' must list field "
+                                      f"names (text), got {named!r}")
+        # Rows are matched by these fields' values: each must be one value, not a list.
+        bad = [k for k in named if k in r and not _scalar(r[k])]
+        if bad:
+            raise MalformedResultFile(f"row {i}: its case field {bad[0]!r} holds "
+                                      f"{r[bad[0]]!r}; a case field holds one value")
         if not isinstance(r["verification"], dict) or not isinstance(
                 r["verification"].get("status"), str):
             raise MalformedResultFile(f"row {i}: 'verification' has no 'status' text")
@@ -130,11 +144,46 @@ def _check_current(data: dict) -> None:
         if not isinstance(r.get("derived"), dict):
             raise MalformedResultFile(f"row {i}: 'derived' is not an object ({{}} when the "
                                       "row has no figures)")
+        for k, v in r["derived"].items():
+            if _computed_with(k) and v is not None and not _number(v):
+                raise MalformedResultFile(f"row {i}: its figure 'derived.{k}' holds {v!r}; "
+                                          "the report computes with it: a number or null")
         for part in ("case_key", "variant"):  # the tables index rows by these
             lost = [k for k in r[part] if k not in r]
             if lost:
                 raise MalformedResultFile(f"row {i}: its {part} names {lost[0]!r} but the row "
                                           "has no such field")
+
+
+def _check_run(run_id, run) -> None:
+    """The run record's fields that the report reads as objects or numbers."""
+    if not isinstance(run, dict):
+        raise MalformedResultFile(f"run {run_id!r} is not an object")
+    if run.get("ceilings") is not None and not isinstance(run["ceilings"], dict):
+        raise MalformedResultFile(f"run {run_id!r}: 'ceilings' is not an object "
+                                  f"(got {run['ceilings']!r})")
+    v = run.get("suite_seconds")
+    if v is not None and not (isinstance(v, dict) and all(
+            x is None or _number(x) for x in v.values())):
+        raise MalformedResultFile(f"run {run_id!r}: 'suite_seconds' must map suites to "
+                                  f"seconds (got {v!r})")
+    for k in ("device", "git_sha", "profiled_by"):
+        if run.get(k) is not None and not isinstance(run[k], str):
+            raise MalformedResultFile(f"run {run_id!r}: {k!r} is not text (got {run[k]!r})")
+
+
+FIGURES = frozenset({"x_floor", "achieved_gbps", "pct_of_base", "lora_added_pct",
+                     "lora_floor_us", "eager_lora_over_base", "lora_over_base_traffic",
+                     "host_us", "output_tokens_per_s", "idle_share", "pct_of_roofline"})
+"""Derived fields the report and its tables compute with (and ``idle_forward_*_us``)."""
+
+
+def _computed_with(field: str) -> bool:
+    return field in FIGURES or (field.startswith("idle_forward_") and field.endswith("_us"))
+
+
+def _scalar(x) -> bool:
+    return x is None or isinstance(x, (str, int, float, bool))
 
 
 def _number(x) -> bool:

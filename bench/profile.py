@@ -95,8 +95,11 @@ def _nsys(nsys: str, bench_args: list[str], out: Path) -> int:
            sys.executable, "-m", "bench", *bench_args]
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode
-    if rc != 0:
+    if rc != 0 and not Path(f"{rep}.nsys-rep").exists():
         return rc
+    if rc != 0:  # (nsys passes the run's status on) a case that failed still ran: summarise
+        print(f"the profiled run exited with status {rc} (a case failed: see above); its "
+              "report still holds what ran", flush=True)
     for reports in ("nvtx_kern_sum", "nvtx_sum,cuda_gpu_kern_sum"):
         stats = subprocess.run([nsys, "stats", "--report", reports, f"{rep}.nsys-rep"],
                                capture_output=True, text=True)
@@ -110,7 +113,7 @@ def _nsys(nsys: str, bench_args: list[str], out: Path) -> int:
               "report holds the ranges: open it in Nsight Systems or run nsys stats on it",
               flush=True)
     print(f"nsys report: {rep}.nsys-rep (open in Nsight Systems)")
-    return 0
+    return rc
 
 
 def _torch_profile(bench_args: list[str], out: Path, cuda: bool) -> int:

@@ -102,7 +102,8 @@ def checked(rows: list[dict]) -> list[list[str]]:
         for k, x in v.items():
             if "err" in k and isinstance(x, (int, float)) and not isinstance(x, bool):
                 worst[k] = max(worst.get(k, x), x)
-        if isinstance(v.get("reference_probes"), int):
+        if isinstance(v.get("reference_probes"), int) and isinstance(
+                v.get("reference_mismatches") or 0, int):
             tokens[0] += v.get("reference_mismatches") or 0
             tokens[1] += v["reference_probes"]
     return [[suite, "; ".join(checks) or "-",
@@ -166,8 +167,7 @@ def kernel_headline(rows: list[dict]) -> str:
     head = [r for r in rows if top.get(key(r)) == (r["adapters"], r["rank"])]
     n = len({results.case_id(r) for r in rows})
     shown = (_table(*table.kernel_cells(head)) if head else
-             f'<p class="bad">None of the {n} kernel cases was timed and verified: see '
-             "Failed cases.</p>")
+             f'<p class="bad">{_none_timed(rows, "kernels")}</p>')
     return (shown + f"<details><summary>all {n} kernel cases"
             f"</summary>{_table(*table.kernel_cells(rows))}</details>")
 
@@ -189,12 +189,26 @@ def per_device(rows: list[dict], section) -> str:
                    for d in devices)
 
 
-def _charts(chart, placeholder: str):
+def _none_timed(rows: list[dict], suite: str) -> str | None:
+    """Where ``rows`` hold cases of ``suite`` but none with figures that passed: says so (a
+    placeholder saying there are no rows misled where every case had failed)."""
+    mine = [r for r in rows if r["suite"] == suite]
+    if not mine or any(r["verification"]["status"] not in ("failed", "skipped")
+                       and (r.get("stats") or r.get("derived")) for r in mine):
+        return None
+    n = len({results.case_id(r) for r in mine})
+    why = ("see Failed cases" if any(r["verification"]["status"] == "failed" for r in mine)
+           else "every one was skipped (see Verification)")
+    noun = "kernel" if suite == "kernels" else suite
+    return f"None of the {n} {noun} cases was timed and verified: {why}."
+
+
+def _charts(chart, placeholder: str, suite: str):
     def section(rows, device):
         figs = chart(rows)
         for f in figs if device else ():
             f.update_layout(title=f"{f.layout.title.text} ({device})")
-        return _figs_html(figs, placeholder)
+        return _figs_html(figs, _none_timed(rows, suite) or placeholder)
     return section
 
 
@@ -210,8 +224,8 @@ def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None,
           base_runs: dict | None = None) -> str:
     rows, superseded = results.latest_per_case(with_device(rows, runs), runs)
 
-    def charts_of(chart, placeholder):
-        return per_device(rows, _charts(chart, placeholder))
+    def charts_of(chart, placeholder, suite):
+        return per_device(rows, _charts(chart, placeholder, suite))
 
     parts = [
         "<h1>multilora-graphs benchmark report</h1>",
@@ -227,22 +241,23 @@ def build(rows: list[dict], runs: dict, base_rows: list[dict] | None = None,
                    lambda rs, _: kernel_headline(rs)),
         "<h2>Headline: whole-model step, decode and prefill (median us)</h2>",
         per_device([r for r in rows if r["suite"] == "model"], lambda rs, _: (
-            _table(*table.model_cells(rs)) if rs else "<p>No model rows.</p>")),
+            f'<p class="bad">{_none_timed(rs, "model")}</p>' if _none_timed(rs, "model")
+            else _table(*table.model_cells(rs)) if rs else "<p>No model rows.</p>")),
         "<h2>LoRA % of base vs tokens</h2>",
-        charts_of(charts.kernel_pct_of_base, "No kernel rows."),
+        charts_of(charts.kernel_pct_of_base, "No kernel rows.", "kernels"),
         "<h2>What LoRA adds to a module in a graph</h2>",
-        charts_of(charts.kernel_added_to_module, "No module rows."),
-        "<h2>x floor</h2>", charts_of(charts.kernel_x_floor, "No kernel rows."),
-        "<h2>Graph vs eager</h2>", charts_of(charts.model_graph_vs_eager, "No model rows."),
+        charts_of(charts.kernel_added_to_module, "No module rows.", "kernels"),
+        "<h2>x floor</h2>", charts_of(charts.kernel_x_floor, "No kernel rows.", "kernels"),
+        "<h2>Graph vs eager</h2>",
+        charts_of(charts.model_graph_vs_eager, "No model rows.", "model"),
         "<h2>LoRA cost in the model step</h2>",
-        charts_of(charts.model_lora_cost, "No model rows with LoRA."),
-        "<h2>Base decode step vs its floor</h2>",
-        charts_of(charts.base_step, PLACEHOLDERS["base_step"]),
-        "<h2>Attention vs its floor</h2>", charts_of(charts.attention, PLACEHOLDERS["attention"]),
-        "<h2>Throughput vs adapters and popularity</h2>",
-        charts_of(charts.throughput, PLACEHOLDERS["throughput"]),
-        "<h2>Idle-path overhead</h2>", charts_of(charts.idle, PLACEHOLDERS["idle"]),
-        "<h2>DP scaling</h2>", charts_of(charts.dp, PLACEHOLDERS["dp"]),
+        charts_of(charts.model_lora_cost, "No model rows with LoRA.", "model"),
+        *(part for suite, title, chart in (
+            ("base_step", "Base decode step vs its floor", charts.base_step),
+            ("attention", "Attention vs its floor", charts.attention),
+            ("throughput", "Throughput vs adapters and popularity", charts.throughput),
+            ("idle", "Idle-path overhead", charts.idle), ("dp", "DP scaling", charts.dp))
+          for part in (f"<h2>{title}</h2>", charts_of(chart, PLACEHOLDERS[suite], suite))),
     ]
     if base_rows is not None:
         base_runs = base_runs or {}
@@ -302,6 +317,9 @@ def _writable_page(out: Path) -> Path:
         # be read as a corrupt result file by the next report of its folder
         raise SystemExit(f"-o {out}: the report is an HTML page, and a .json file is read as "
                          f"a result file: give an .html path (e.g. {out.with_suffix('.html')})")
+    if out.suffix.lower() == ".png":  # --screenshot's kind of file: a slip of the flag
+        raise SystemExit(f"-o {out}: the report is an HTML page: give an .html path (e.g. "
+                         f"{out.with_suffix('.html')}); --screenshot takes the .png")
     if out.is_dir():
         raise SystemExit(f"-o {out} is a folder: give the HTML file's path "
                          f"(e.g. {out / 'report.html'})")
@@ -310,7 +328,8 @@ def _writable_page(out: Path) -> Path:
 
 def _usable_screenshot(png: Path) -> None:
     """Checked before the report is built: chromium writes wherever it is told, and the file
-    there is deleted first (it deleted the report itself, or a result file, when named)."""
+    there is deleted first (it deleted the report itself, or a result file, when named: the
+    report is never a .png, ``_writable_page``)."""
     if png.is_dir():
         raise SystemExit(f"--screenshot {png} is a folder: give the PNG file's path "
                          f"(e.g. {png / 'report.png'})")

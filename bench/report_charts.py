@@ -11,6 +11,11 @@ LAYOUT = dict(template="plotly_white", height=380, margin=dict(l=60, r=20, t=50,
               legend=dict(font=dict(size=10)))
 
 
+def _num(x) -> bool:
+    """A figure a chart can draw (a hand-edited file may hold text where a number belongs)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _med(r: dict):
     return r["stats"]["median_us"] if r.get("stats") else None
 
@@ -57,7 +62,7 @@ def _kernel_by_module(rows, field: str, title: str, y: str, log_y=False,
     for module, su in dict.fromkeys((r["module"], setup(r)) for r in tri):
         series = defaultdict(list)
         for r in tri:
-            if (r["module"], setup(r)) == (module, su) and r["derived"].get(field) is not None:
+            if (r["module"], setup(r)) == (module, su) and _num(r["derived"].get(field)):
                 series[(r["adapters"], r["rank"])].append((r["tokens"], r["derived"][field]))
         named = {f"adapters={a} r={rk}": pts for (a, rk), pts in sorted(series.items())}
         name = f"{module} {su[0]} {su[1]}" if several else module
@@ -140,14 +145,14 @@ def model_lora_cost(rows) -> list[go.Figure]:
         fig[1][f"adapters={a} r={rk} {traffic} traffic, {path}"].append(
             (bs, 100 * (t / ref - 1)))
         least = floor.get((base, bs, a, rk, traffic, path))
-        if path == "replay_only" and least is not None:
+        if path == "replay_only" and _num(least):
             fig[1][f"adapters={a} r={rk}, LoRA's bytes floor"].append((bs, 100 * least / ref))
     return [_lines(f, dict(sorted(s.items()))) for f, s in figs.values()]
 
 
 def throughput(rows) -> list[go.Figure]:
     tp = [r for r in rows if r["suite"] == "throughput"
-          and r["derived"].get("output_tokens_per_s") is not None]
+          and _num(r["derived"].get("output_tokens_per_s"))]
     figs, setup = [], _setup(tp, ("layers", "dtype", "requests"))
     for wl in dict.fromkeys((r["preset"], r["workload"] + setup(r)) for r in tp):
         mine = [r for r in tp if (r["preset"], r["workload"] + setup(r)) == wl]
@@ -187,7 +192,7 @@ def idle(rows) -> list[go.Figure]:
 
 def dp(rows) -> list[go.Figure]:
     d = [r for r in rows if r["suite"] == "dp"
-         and r["derived"].get("output_tokens_per_s") is not None]
+         and _num(r["derived"].get("output_tokens_per_s"))]
     if not d:
         return []
     series, idle_share, idle_us = defaultdict(list), defaultdict(list), defaultdict(list)
@@ -196,12 +201,12 @@ def dp(rows) -> list[go.Figure]:
         lora = (f"adapters={r['adapters']} r={r['ranks']}" if r["adapters"] else "no LoRA"
                 ) + setup(r)
         series[f"{r['load']}, {lora}"].append((r["dp_size"], r["derived"]["output_tokens_per_s"]))
-        if r["derived"].get("idle_share") is not None:
+        if _num(r["derived"].get("idle_share")):
             idle_share[f"{r['load']}, {lora}"].append((r["dp_size"],
                                                        100 * r["derived"]["idle_share"]))
         for variant in ("lora", "peers", "base") if r["adapters"] else ():
             us = r["derived"].get(f"idle_forward_{variant}_us")
-            if us is not None:
+            if _num(us):
                 idle_us[f"{variant} variant, {r['load']}{setup(r)}"].append((r["dp_size"], us))
     figs = [_lines(_fig("DP scaling: output tokens/s vs DP size", "DP size", "output tokens/s"),
                    dict(sorted(series.items())))]
@@ -229,7 +234,7 @@ def deltas(pairs: list[tuple[str, float]]) -> list[go.Figure]:
 
 def base_step(rows) -> list[go.Figure]:
     steps = [r for r in rows if r["suite"] == "base_step" and r.get("stats")
-             and r["derived"].get("pct_of_roofline") is not None]
+             and _num(r["derived"].get("pct_of_roofline"))]
     if not steps:
         return []
     series = defaultdict(list)
@@ -242,7 +247,7 @@ def base_step(rows) -> list[go.Figure]:
 
 def attention(rows) -> list[go.Figure]:
     att = [r for r in rows if r["suite"] == "attention" and r.get("stats")
-           and not r.get("tiles") and r["derived"].get("x_floor") is not None]
+           and not r.get("tiles") and _num(r["derived"].get("x_floor"))]
     if not att:
         return []
     series = defaultdict(list)

@@ -90,17 +90,26 @@ def load(path: Path) -> dict:
 
 
 def upsert(path: Path, run: dict, rows: list[dict]) -> dict:
-    """Write ``rows`` (all of one or more cases) into ``path``, replacing those cases' rows;
-    a case skipped here (a DP size above this machine's GPUs) keeps the rows of a run that
-    ran it, where a skipped row had replaced them (published results of a larger machine)."""
+    """Write ``rows`` (all of one or more cases) into ``path``, replacing those cases' rows
+    of the same device (``run["device"]``: another device's rows stay); a case skipped here
+    (a DP size above this machine's GPUs) keeps the rows of a run that ran it, where a
+    skipped row had replaced them (published results of a larger machine)."""
     data = load(path) if path.exists() else {"schema": SCHEMA, "runs": {}, "rows": []}
-    ran = {case_id(r) for r in data["rows"] if r["verification"]["status"] != "skipped"}
+    # Rows of another device are never replaced: a file the user names (dp_bench --out)
+    # may gather runs of several machines, as the report reads them.
+    device, runs = run.get("device"), data["runs"]
+
+    def here(r: dict) -> bool:
+        return runs.get(r["run_id"], {}).get("device") == device
+
+    ran = {case_id(r) for r in data["rows"]
+           if r["verification"]["status"] != "skipped" and here(r)}
     rows = [r for r in rows
             if r["verification"]["status"] != "skipped" or case_id(r) not in ran]
+    fresh = {case_id(r) for r in rows}
+    kept = [r for r in data["rows"] if case_id(r) not in fresh or not here(r)]
     run_id = run["run_id"]
     data["runs"][run_id] = run
-    fresh = {case_id(r) for r in rows}
-    kept = [r for r in data["rows"] if case_id(r) not in fresh]
     data["rows"] = kept + [r | {"run_id": run_id} for r in rows]
     live = {r["run_id"] for r in data["rows"]}
     data["runs"] = {k: v for k, v in data["runs"].items() if k in live}

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 
 def fmt(v, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
+    """A figure formatted by ``spec``; "-" for none; text as it is (a hand-edited file)."""
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 
 def render(headers: list[str], rows: list[list[str]], right_from: int = 1) -> str:

@@ -46,9 +46,11 @@ class EngineWorld:
         """A fresh engine over the world's runtime (cache empty, no adapter loaded)."""
         self.lora.reset_lora_batch()
         self.runner.kv.reset()
+        # Built first: the manager then sees its requests (none), not the last engine's.
+        eng = Engine(self.runner, config, self.graphs, keep_logits=True, overlap=overlap)
         for name in list(self.lora.adapters):
             self.lora.unload_adapter(name)
-        return Engine(self.runner, config, self.graphs, keep_logits=True, overlap=overlap)
+        return eng
 
     def new_adapter(self, engine: Engine, pinned: bool = False) -> str:
         name = f"ad{self.serial}"

@@ -128,6 +128,7 @@ class Engine:
         self.finished: list[Request] = []
         self.logits: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
+        self._hint_eviction()  # from here the manager's own calls see this engine's requests
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], adapter: str | None = None, *,
@@ -262,9 +263,15 @@ class Engine:
         return self.scheduler.running_adapters()
 
     def _hint_eviction(self) -> None:
-        """Tells the manager which adapters to evict last (``LoRAManager.evict_last``)."""
+        """Tells the manager which adapters to evict last (``LoRAManager.evict_last``) and
+        which this engine's requests use (``LoRAManager.requested``)."""
         if self.lora is not None:
             self.lora.evict_last = self._evict_last
+            self.lora.requested = self._requested
+
+    def _requested(self) -> set[str]:
+        return {r.adapter for r in (*self.scheduler.waiting, *self.scheduler.running)
+                if r.adapter is not None}
 
     def _evict_last(self) -> set[str]:
         return self.scheduler.running_adapters()

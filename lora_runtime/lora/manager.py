@@ -58,6 +58,11 @@ class LoRAManager:
         then evicts an idle adapter, not one the next decode step would have to write back
         (a slot write: 1.7 ms at 32 layers). Under DP every rank's returns the same (the
         agreed union), so slots agree."""
+        self.requested: Callable[[], Collection[str]] = frozenset
+        """Adapters that waiting or running requests of the engine serving through this
+        manager use (the engine sets it): the manager's own unload refuses them, as its pins
+        leave room for ``evict_last``'s (called from outside the engine, they had taken a
+        decoding request's slot or adapter, and every later step raised)."""
         self._last_plan: tuple | None = None
         """(batch key, pool version, adapters, plan) of the last batch planned locally."""
         self.dp = model.dp
@@ -194,6 +199,7 @@ class LoRAManager:
             adapter = image.share_with(adapter, self.weights)
         if pinned:
             try:
+                self._check_room_to_pin(name)
                 [(slot, _, _)] = self.pool.plan([name], self._in_batch, self.evict_last)
             except SlotPoolError as e:
                 raise AdapterError(f"cannot pin {name!r}: {e}") from e
@@ -243,6 +249,11 @@ class LoRAManager:
         if name in self._in_batch:
             raise RuntimeError(f"adapter {name!r} is used by the prepared batch; finish or reset "
                                "the batch (reset_lora_batch) before unloading it")
+        if name in self.requested():
+            raise RuntimeError(f"adapter {name!r} is used by requests the engine serves "
+                               "(waiting or running; the engine last built or stepped on this "
+                               "manager); unload it once they finish (Engine.unload_adapter "
+                               "names them), or abort them")
         slot = self.pool.release(name)
         if slot is not None:
             self._clear_slot(slot)
@@ -256,10 +267,22 @@ class LoRAManager:
         if name not in self.adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
         if pinned:
+            self._check_room_to_pin(name)
             self._acquire({name}, protected=self._in_batch)
             self.pool.pinned.add(name)
         else:
             self.pool.pinned.discard(name)
+
+    def _check_room_to_pin(self, name: str) -> None:
+        """A pin leaves a slot for each adapter the running requests use (``evict_last``):
+        the pool would evict one of them last, but evict it, and the next step could not
+        run (the engine checks the same before its pins)."""
+        need = set(self.evict_last()) | self.pool.pinned | self._in_batch | {name}
+        slots = self.config.max_loras_per_batch
+        if len(need) > slots:
+            raise SlotPoolError(f"pinning {name!r} would leave {len(need)} adapters (running "
+                                f"requests' and pinned) for {slots} slots. Unpin one or wait "
+                                "for requests to finish")
 
     # -- slots ------------------------------------------------------------------------------
     def _acquire(self, names: set[str], protected: set[str] = frozenset()) -> None:

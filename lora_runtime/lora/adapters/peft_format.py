@@ -89,6 +89,9 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
         ab, t = _embedding_layout(key, mk, ab, t)
         _once(seen, (mk, ab), key, path)
         pairs.setdefault(mk, {})[ab] = t
+    if not pairs:
+        raise AdapterError(f"{path / WEIGHTS}: holds no lora_A/lora_B weights (an empty or "
+                           "unfinished save?): save the adapter again with save_pretrained")
     modules = {}
     for mk, ab in sorted(pairs.items(), key=lambda kv: (kv[0][0] or -1, kv[0][1])):
         where = f"{path}: {module_path(*mk)}"
