@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphs.replayable import Replayable, capture, new_pool
-from graphs.static_batch import DecodeBuffers, PrefillBuffers
+from graphs.static_batch import DecodeBuffers, PrefillBuffers, check_index_tensors
 from lora_runtime.checks import is_int
 from lora_runtime.engine.forward_batch import (
     ForwardBatch,
@@ -169,12 +169,22 @@ class GraphRunner:
                              f"{batch.batch_size} requests, {batch.num_tokens} tokens (buckets "
                              f"{self.buffers.buckets}, asked {bucket!r}); check can_run() first")
         bucket = int(bucket)
-        kind = variant if variant is not None else self.variant_for(  # an idle DP rank's MLP
-            batch, (idle and self.dp is not None) or batch.has_adapters)  # serves its peers
+        # Under DP the sharded MLP serves every rank's rows: the step has adapters where any
+        # rank's rows do (a rank whose own rows were base-only replayed "base" and left its
+        # shard of its peers' MLP LoRA out, silently); an idle rank without ``gathered`` is
+        # taken to serve adapter rows.
+        step_lora = (batch.gathered.has_adapters if batch.gathered is not None
+                     else (idle and self.dp is not None) or batch.has_adapters)
+        kind = variant if variant is not None else self.variant_for(batch, step_lora)
         if kind != LORA and variant is not None and self.lora is not None and batch.has_adapters:
             raise ValueError(f"variant {kind!r} would drop the LoRA of this batch's adapter rows "
                              f"{sorted({n for n in batch.adapter_names if n is not None})}: "
                              f"replay it as {LORA!r} (or leave variant to variant_for)")
+        if kind == BASE and self.lora is not None and batch.gathered is not None and (
+                batch.gathered.has_adapters):
+            raise ValueError(f"variant {kind!r} would drop the LoRA of the peers' adapter rows "
+                             "that this rank's MLP shard serves: replay the step's agreed "
+                             f"variant (variant_for(batch, True)), or leave variant unset")
         check_gathered(batch, self.dp)
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
@@ -184,6 +194,8 @@ class GraphRunner:
                 f"no {kind!r} graph of bucket {bucket} was captured "
                 + ("(call capture() before replay())" if not self.graphs else
                    f"(captured: {sorted(self.graphs)})"))
+        if not idle:
+            check_index_tensors(batch)
         lora_batch = batch if not idle or batch.gathered is not None else None
         self._set_lora(kind, lora_batch, bucket)  # may raise: before any write
         with phase("buffer refresh"):

@@ -27,6 +27,25 @@ from lora_runtime.engine.kv_cache import KVCache
 PAD_REQ = -1
 
 
+def check_index_tensors(batch: ForwardBatch) -> None:
+    """Refuses, naming the field, a batch whose ids, positions or cache indices are not of an
+    integer dtype: the static buffers' copies truncated 3.6 to 3 where eager refused it."""
+    ts = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.logits_rows,
+          *vars(batch.attn).values())
+    if {getattr(t, "dtype", None) for t in ts} <= _INDEX_DTYPES:  # ~1 us on a slow host
+        return
+    names = ("input_ids", "positions", "out_cache_loc", "logits_rows",
+             *(f"attn.{k}" for k in vars(batch.attn)))
+    name, t = next((n, t) for n, t in zip(names, ts, strict=True)
+                   if getattr(t, "dtype", None) not in _INDEX_DTYPES)
+    what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+    raise ValueError(f"batch.{name} is {what}: a replay takes integer index tensors (build "
+                     "batches with build_decode / build_extend, or pass .long())")
+
+
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
 def _put(dst: torch.Tensor, src: torch.Tensor | None, n: int, end: int, pad: int) -> None:
     if src is not None and n:
         dst[:n].copy_(src)
@@ -105,8 +124,10 @@ class DecodeBuffers:
         n = 0 if batch is None or batch.mode is ForwardMode.IDLE else batch.batch_size
         b = None if n == 0 else batch
         if self.input_ids.device.type == "cuda":
-            src = None if b is None else (b.input_ids, b.positions, b.out_cache_loc,
-                                          b.attn.kv_lens, b.attn.kv_indices)
+            src = None if b is None else tuple(  # the kernel reads int64 (int32 is exact)
+                t if t.dtype == torch.int64 else t.long()
+                for t in (b.input_ids, b.positions, b.out_cache_loc, b.attn.kv_lens,
+                          b.attn.kv_indices))
             write_decode_inputs(self._static, src, bucket, KVCache.SCRATCH)
         else:
             self.write_by_torch(b, n, bucket)
