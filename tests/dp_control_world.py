@@ -113,6 +113,9 @@ def overlap_control_rank(rank: int, size: int, out_dir: str) -> None:
         log["mismatch"] = "ok"
     except ValueError as e:
         log["mismatch"] = str(e)
+    # The refused engine left the manager's hooks to the engine that served last.
+    log["hooks kept"] = [getattr(h, "__self__", None) is fair
+                         for h in (runner.lora.evict_last, runner.lora.requested)]
     plain = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
     try:
         DPEngine(ModelRunner(plain, KVCache(CONFIG, 64, torch.float32, "cpu"), None), dp)

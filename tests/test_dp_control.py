@@ -93,6 +93,7 @@ def test_a_request_waiting_for_a_slot_outlasts_no_other_ranks_stream(overlap_log
 def test_engines_built_differently_are_refused_on_every_rank(overlap_logs):
     for log in overlap_logs:
         assert "max_batch_size" in log["mismatch"] and "[4, 5]" in log["mismatch"]
+        assert log["hooks kept"] == [True, True]
         assert "shard_mlp" in log["unsharded"]
 
 
@@ -153,7 +154,9 @@ def test_a_pin_on_one_rank_is_refused_on_every_rank_before_the_forward(fault_log
 
 def test_a_forward_that_raised_on_one_rank_stops_its_later_calls(fault_logs):
     first, second = fault_logs
-    assert first["fault"] == "RuntimeError: injected fault"
+    assert first["fault"].startswith("RuntimeError: dp rank 0/2: the step's forward raised")
+    assert "(RuntimeError: injected fault)" in first["fault"]
+    assert "restart every rank" in first["fault"]
     assert second["fault"].startswith("RuntimeError")  # gloo: the peer closed the connection
     for log in fault_logs:
         for key in ("step after", "unload after"):

@@ -81,7 +81,9 @@ def test_a_rank_that_faulted_leaves_at_shutdown_and_calls_after_it_are_refused(t
     spawn(fault_then_shutdown_rank, 2, str(tmp_path), timeout_s=TIMEOUT_S)
     elapsed = time.monotonic() - t0
     first, second = (torch.load(tmp_path / f"fault{r}.pt") for r in range(2))
-    assert first["fault"] == "RuntimeError: injected fault"
+    assert first["fault"].startswith("RuntimeError: dp rank 0/2: the step's forward raised")
+    assert "(RuntimeError: injected fault)" in first["fault"]
+    assert "restart every rank" in first["fault"]
     said = first["other engine"]
     assert "forward raised mid-step on this rank (RuntimeError: injected fault)" in said, said
     assert "restart every rank" in said

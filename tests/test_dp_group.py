@@ -106,3 +106,19 @@ def _raises(rank: int) -> None:
 def test_a_rank_that_raises_still_fails_spawn_naming_its_error():
     with pytest.raises(Exception, match="refused its input"):
         spawn(_raises, 2, timeout_s=10)
+
+
+def _records_timeout(rank: int, out_dir: str) -> None:
+    with open(os.path.join(out_dir, f"t{rank}"), "w") as f:
+        f.write(os.environ["DP_TIMEOUT_S"])
+
+
+def test_spawn_lets_dp_timeout_s_win_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    """The variable wins over ``timeout_s`` (as in ``init_dp``): spawn had overwritten it in
+    the ranks' environment, and a bad value went unchecked."""
+    monkeypatch.setenv("DP_TIMEOUT_S", "5")
+    spawn(_records_timeout, 1, str(tmp_path), timeout_s=30)
+    assert (tmp_path / "t0").read_text() == "5.0"
+    monkeypatch.setenv("DP_TIMEOUT_S", "abc")
+    with pytest.raises(ValueError, match="DP_TIMEOUT_S='abc'"):
+        spawn(_records_timeout, 1, str(tmp_path), timeout_s=30)

@@ -50,6 +50,19 @@ class DPEngine(Engine):
         hanging a collective. ``overlap``: as ``Engine``'s; each rank launches its next step
         ahead where its own requests allow."""
         _check_group(dp, "DPEngine")  # before its set-up check's collective
+        lora = getattr(runner, "lora", None)
+        hooks = None if lora is None else (lora.evict_last, lora.requested)
+        try:
+            self._set_up(runner, dp, config, graphs, keep_logits, verify, overlap, max_timeline)
+        except BaseException:
+            # Engine.__init__ pointed the manager's hooks at this engine: a refused one must
+            # leave them to the engine that serves (its requests unseen, every step raised).
+            if hooks is not None:
+                lora.evict_last, lora.requested = hooks
+            raise
+
+    def _set_up(self, runner, dp, config, graphs, keep_logits, verify, overlap,
+                max_timeline) -> None:
         super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap,
                          max_timeline=max_timeline)
         if runner.dp is not None and runner.dp.size != dp.size:
@@ -291,7 +304,14 @@ class DPEngine(Engine):
             self._fault = f"{type(e).__name__}: {e}"
             # The group's other engines refuse too, and shutdown leaves without the peers.
             mark_fault(self.dp, "a DPEngine's forward raised mid-step", self._fault)
-            raise
+            if not isinstance(e, Exception):  # an interrupt stays one
+                raise
+            # A collective's own error (gloo: "Timed out waiting 3000ms for send") named
+            # neither the rank nor what to do.
+            raise RuntimeError(f"{self.dp.name}: the step's forward raised mid-step "
+                               f"({self._fault}); the peers' collectives no longer pair with "
+                               "this rank's. DP does not recover from faults: restart every "
+                               "rank") from e
 
     def _finish(self, cur: LaunchedStep) -> list[tuple[Request, int]]:
         try:

@@ -134,7 +134,7 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: launch the ranks with torchrun or "
                                "lora_runtime.dp.launch.spawn")
-    timeout_s = _checked_env_timeout_s(timeout_s)
+    timeout_s = resolved_timeout_s(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
@@ -150,7 +150,7 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     return DPGroup(dist.get_rank(), dist.get_world_size(), group, cpu_group, timeout_s)
 
 
-def _checked_env_timeout_s(timeout_s: float | None) -> float:
+def resolved_timeout_s(timeout_s: float | None) -> float:
     """The collectives' timeout in seconds: a finite number in [MIN_TIMEOUT_S, MAX_TIMEOUT_S]
     (0 timed the first connection out at once, NaN and text raised from the conversion naming
     neither, and an explicit 0 was read as the default)."""

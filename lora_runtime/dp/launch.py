@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lora_runtime.checks import is_int
-from lora_runtime.dp.group import checked_timeout_s
+from lora_runtime.dp.group import checked_timeout_s, resolved_timeout_s
 
 
 def free_port() -> int:
@@ -29,10 +29,12 @@ def free_port() -> int:
 
 def spawn(fn: Callable, size: int, *args, timeout_s: float = 60.0) -> None:
     """Runs ``fn(rank, *args)`` on ``size`` ranks and waits for all of them. ``timeout_s``
-    bounds every collective (a dead rank stops the others within it)."""
+    bounds every collective (a dead rank stops the others within it); ``DP_TIMEOUT_S``, where
+    set, wins, as in ``init_dp``."""
     if not is_int(size) or size < 1:
         raise ValueError(f"DP size must be an integer >= 1, got {size!r}")
     checked_timeout_s(timeout_s)
+    timeout_s = resolved_timeout_s(timeout_s)  # it was overwritten in the ranks' environment
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(size), "DP_TIMEOUT_S": str(timeout_s)}
     mp.start_processes(_entry, args=(fn, env, args), nprocs=size, join=True,

@@ -277,12 +277,15 @@ class LoRAManager:
         """A pin leaves a slot for each adapter the running requests use (``evict_last``):
         the pool would evict one of them last, but evict it, and the next step could not
         run (the engine checks the same before its pins)."""
-        need = set(self.evict_last()) | self.pool.pinned | self._in_batch | {name}
+        running = set(self.evict_last())
+        need = running | self.pool.pinned | self._in_batch | {name}
         slots = self.config.max_loras_per_batch
         if len(need) > slots:
-            raise SlotPoolError(f"pinning {name!r} would leave {len(need)} adapters (running "
-                                f"requests' and pinned) for {slots} slots. Unpin one or wait "
-                                "for requests to finish")
+            raise SlotPoolError(f"pinning {name!r} would leave {len(need)} adapters for {slots} "
+                                f"slots (running requests': {sorted(running)}, pinned: "
+                                f"{sorted(self.pool.pinned)}, in the prepared batch: "
+                                f"{sorted(self._in_batch)}). Unpin one or wait for requests "
+                                "to finish")
 
     # -- slots ------------------------------------------------------------------------------
     def _acquire(self, names: set[str], protected: set[str] = frozenset()) -> None:
