@@ -568,6 +568,22 @@ MUTANTS = [
            (("        _check_representable(adapter, self.dtype)\n", ""),),
            ("tests/test_adapter_errors.py::test_weights_beyond_the_models_dtype",
             "tests/test_adapter_errors.py::test_scaling_beyond_float32")),
+    Mutant("dp_replay_variant_from_own_rows",
+           "DP: a graph replay left to pick its variant follows this rank's own rows, so a "
+           "rank serving only the base model drops its peers' MLP LoRA",
+           "graphs/runner.py",
+           (("        step_lora = (batch.gathered.has_adapters if batch.gathered is not None\n"
+             "                     else (idle and self.dp is not None) or batch.has_adapters)\n",
+             "        step_lora = (idle and self.dp is not None) or batch.has_adapters\n"),),
+           ("tests/test_graph_hunt6.py::test_a_dp_replay_left_to_pick_its_variant_keeps_its_"
+            "peers_lora",)),
+    Mutant("manager_pin_ignores_running_requests",
+           "the manager's own pin under a serving engine takes a decoding request's slot",
+           "lora_runtime/lora/manager.py",
+           (("            self._check_room_to_pin(name)\n            self._acquire(",
+             "            self._acquire("),),
+           ("tests/test_adapter_hunt6.py::test_the_managers_pin_leaves_the_decoding_requests_"
+            "their_slots",)),
 ]
 
 
