@@ -104,9 +104,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
           f"shape {tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
     check(weight.shape == (x.shape[1],), lambda: f"weight has shape {tuple(weight.shape)}, "
           f"expected ({x.shape[1]},) (the hidden size of x)")
-    check(weight.is_floating_point() and (weight.numel() <= 1 or weight.stride(0) == 1),
-          lambda: f"weight must be a contiguous floating-point vector, got {weight.dtype} "
-          f"with stride {weight.stride()}")
+    check(weight.is_floating_point() and (weight.numel() <= 1 or weight.stride(0) == 1)
+          and weight.device == x.device,
+          lambda: f"weight must be a contiguous floating-point vector on {x.device} (x's "
+          f"device), got {weight.dtype} with stride {weight.stride()} on {weight.device}")
     if lora is not None:
         lora.check(x, "rms_norm")
     delta = lora.delta if isinstance(lora, LoRADelta) else None
@@ -114,9 +115,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if lora is not None and delta is None:  # by rows only with a residual to store into
             return _rms_norm_op(lora.apply(x.clone()), weight, eps)
         return _rms_norm_op(x, weight, eps, delta)
-    check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1,
-          lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows), got "
-          f"{tuple(residual.shape)}, {residual.dtype}")
+    check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+          and residual.device == x.device,
+          lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype}, contiguous rows, on "
+          f"{x.device}), got {tuple(residual.shape)}, {residual.dtype} on {residual.device}")
     if lora is None or delta is not None:
         return _add_rms_norm_op(x, residual, weight, eps, delta)
     check(lora.weights.num_slices == 1,

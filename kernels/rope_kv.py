@@ -181,6 +181,9 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     the slots ``cache_loc [T]``, token by token. ``lora``: the qkv projection's LoRA term
     (three slices: q, k, v), pending, unshrunk or as a delta, added first."""
     check_dtype("qkv", qkv)
+    check(k_cache.dim() == 3 and k_cache.device == qkv.device == v_cache.device,
+          lambda: f"k_cache/v_cache must be [slots, kv_heads, head_dim] on {qkv.device} (qkv's "
+          f"device), got {tuple(k_cache.shape)} on {k_cache.device} / {v_cache.device}")
     slots, kv_heads, head_dim = k_cache.shape
     t = qkv.shape[0]
     check(qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim

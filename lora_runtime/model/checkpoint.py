@@ -120,7 +120,8 @@ def _open(file: Path):
 
 def _destination(key: str, config: LlamaConfig) -> tuple[str, slice | None]:
     m = re.match(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$", key)
-    if m and m.group(3) in _FUSED:
+    # Only under its own block: "self_attn.gate_proj" was written into gate_up's gate rows.
+    if m and m.group(3) in _FUSED and _FUSED[m.group(3)][0].startswith(m.group(2) + "."):
         fused, s = _FUSED[m.group(3)]
         bounds = config.module_shape(fused.split(".")[1]).slice_widths
         lo = sum(bounds[:s])
