@@ -261,7 +261,8 @@ def test_workload_spec():
            (dict(prompt_len=3.5), "prompt_len"), (dict(num_adapters=2.5), "num_adapters"),
            (dict(seed=None), "seed"),
            (dict(popularity="identical", num_adapters=16), "one adapter"),
-           (dict(popularity="distinct", num_adapters=16), "give 4")]
+           (dict(popularity="distinct", num_adapters=16), "give 4"),
+           (dict(popularity="distinct"), "got num_adapters=1 \\(give 4\\)")]
     for kwargs, words in bad:
         with pytest.raises(ValueError, match=words):
             WorkloadSpec(4, **kwargs)

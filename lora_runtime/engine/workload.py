@@ -78,7 +78,8 @@ class WorkloadSpec:
         if self.popularity == "identical" and self.num_adapters != 1:
             raise ValueError(f"identical popularity uses one adapter; got num_adapters="
                              f"{self.num_adapters}")
-        if self.popularity == "distinct" and self.num_adapters not in (1, self.num_requests):
+        # (1, the default, was let through too: a case labelled adapters=1 served N.)
+        if self.popularity == "distinct" and self.num_adapters != self.num_requests:
             raise ValueError(f"distinct popularity gives each of the {self.num_requests} "
                              f"requests its own adapter; got num_adapters={self.num_adapters} "
                              f"(give {self.num_requests})")
