@@ -124,10 +124,8 @@ class DecodeBuffers:
         n = 0 if batch is None or batch.mode is ForwardMode.IDLE else batch.batch_size
         b = None if n == 0 else batch
         if self.input_ids.device.type == "cuda":
-            src = None if b is None else tuple(  # the kernel reads int64 (int32 is exact)
-                t if t.dtype == torch.int64 else t.long()
-                for t in (b.input_ids, b.positions, b.out_cache_loc, b.attn.kv_lens,
-                          b.attn.kv_indices))
+            src = None if b is None else (b.input_ids, b.positions, b.out_cache_loc,
+                                          b.attn.kv_lens, b.attn.kv_indices)
             write_decode_inputs(self._static, src, bucket, KVCache.SCRATCH)
         else:
             self.write_by_torch(b, n, bucket)

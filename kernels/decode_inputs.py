@@ -53,8 +53,9 @@ def write_decode_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, 
     max_rows, max_context = table.shape
     check(n <= bucket <= max_rows, lambda: f"a batch of {n} rows does not fit bucket {bucket} "
           f"of buffers holding {max_rows}: pick a bucket of at least {n} rows")
-    check(all(t.dtype == torch.int64 for t in dst + (src or ())),
-          "write_decode_inputs takes int64 tensors")
+    check(all(t.dtype == torch.int64 for t in dst), "write_decode_inputs writes int64 buffers")
+    if src is not None:  # narrower integer indices are exact in int64; nothing else is taken
+        src = tuple(t if t.dtype == torch.int64 else _widened(t) for t in src)
     check(table.stride(1) == 1 and (src is None or src[4].stride(1) == 1),
           "kv_indices rows must be contiguous")
     check(all(t.numel() <= 1 or t.stride(0) == 1 for t in dst[:4] + (src or ())[:4]),
@@ -73,3 +74,9 @@ def write_decode_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, 
         ids, pos, loc, lens, table, table.stride(0), max_context,
         SCRATCH=scratch, BLOCK=min(1024, triton.next_power_of_2(max_context)),
     )
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    check(t.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8),
+          lambda: f"write_decode_inputs takes integer index tensors, got {t.dtype}")
+    return t.long()

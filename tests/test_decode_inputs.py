@@ -84,3 +84,18 @@ def test_a_batch_of_no_rows_writes_padding_like_an_idle_one():
     src = (empty,) * 4 + (torch.empty(0, 16, dtype=torch.long, device=DEVICE),)
     write_decode_inputs(got._static, src, 4, KVCache.SCRATCH)
     assert all(torch.equal(e, g) for e, g in zip(expected._static, got._static, strict=True))
+
+
+def test_narrow_integer_sources_write_as_int64_and_floats_are_refused():
+    """The replay casts nothing itself: int32 indices reach the one-launch write, which
+    widens them (exact); a float source is refused naming its dtype."""
+    batch = _batch(np.random.default_rng(5), 3, 17, 32)
+    src = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.attn.kv_lens,
+           batch.attn.kv_indices)
+    want, got = _poisoned(), _poisoned()
+    write_decode_inputs(want._static, src, 4, KVCache.SCRATCH)
+    write_decode_inputs(got._static, tuple(t.int() for t in src), 4, KVCache.SCRATCH)
+    assert all(torch.equal(a, b) for a, b in zip(want._static, got._static, strict=True))
+    with pytest.raises(ValueError, match="integer index tensors, got torch.float32"):
+        write_decode_inputs(got._static, src[:1] + (src[1].float(),) + src[2:], 4,
+                            KVCache.SCRATCH)
