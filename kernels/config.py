@@ -147,16 +147,34 @@ def expand_tiles_per_program(
     o_proj 21.5 / 19.0; r=16 gate_up 72.5 / 72.7, qkv 18.5 / 18.4; at T=512 with 8 blocks
     (under one wave at 4) gate_up r=16 22.0 / 26.6. Decode blocks (16 rows), 1 / 2 / 4 tiles:
     gate_up T=64 r=64 18.0 / 18.2 / 22.2, qkv T=64 r=64 6.0 / 7.6 / 10.2, gate_up T=64 r=16
-    8.7 / 7.8 / 10.1. The one-launch kernel (``one_launch``) recomputes ``a`` in every
-    program, so its programs walk up to 2 tiles as soon as the grid covers the device twice
-    (with 1, the eager bs-64 r=64 step went from 1.27x to 1.48x its base)."""
-    waves = num_blocks * num_tiles // max(1, programs_wanted(device))
+    8.7 / 7.8 / 10.1. The one-launch kernel (``one_launch``): ``one_launch_tiles``."""
     if tiles is None and one_launch:
-        tiles = min(2, waves)
-    elif tiles is None:
+        return one_launch_tiles(num_blocks, num_tiles, device)
+    if tiles is None:
+        waves = num_blocks * num_tiles // max(1, programs_wanted(device))
         tiles = 4 if block_m >= 64 and block_r >= 32 and waves >= 2 else 1
-    tiles = max(1, min(4, tiles))
+    tiles = max(1, min(ONE_LAUNCH_MAX_TILES if one_launch else 4, tiles))
     return 1 << (tiles.bit_length() - 1)
+
+
+ONE_LAUNCH_MAX_TILES = 8
+
+
+def one_launch_tiles(num_blocks: int, num_tiles: int, device: torch.device) -> int:
+    """Output tiles a one-launch program walks: the fewest (a power of two, at most
+    ``ONE_LAUNCH_MAX_TILES``) that bring the grid within one program an SM. Every program
+    recomputes its block's shrink over the whole K, so each program fewer saves a walk, and a
+    grid within one wave also takes the wide K step (``one_launch_k_block``). H100, the launch
+    alone in a graph, 8 adapters r=16 at T=16 (8 blocks; T=64 the same within 0.4 us), us at
+    1 / 2 / 4 / 8 tiles a program (programs at 1): down 37.7 / 20.7 / 21.7 / 23.9 (256), o_proj
+    12.6 / 9.1 / 10.3 / 12.5 (256), qkv 17.4 / 13.3 / 10.5 / 12.9 (384), gate_up - / 38.7
+    / 24.4 / 17.0 (1,792; 2 tiles before, the grid covering the device three times)."""
+    sms = max(1, programs_wanted(device) // 4)
+    tiles = 1
+    while (tiles < ONE_LAUNCH_MAX_TILES and tiles < num_tiles
+           and num_blocks * cdiv(num_tiles, tiles) > sms):
+        tiles *= 2
+    return tiles
 
 
 def num_warps(block_m: int, block_cols: int) -> int:
@@ -550,10 +568,14 @@ def _int_pair(env: str, default: str) -> tuple[int, int]:
     return first, second
 
 
-CAPTURE_GEMM_LT_ROWS = _int_pair("MULTILORA_CAPTURE_GEMM_LT_ROWS", "0,0")
+CAPTURE_GEMM_LT_ROWS = _int_pair("MULTILORA_CAPTURE_GEMM_LT_ROWS", "33,64")
 """``(lo, hi)``: a CUDA graph captured for lo..hi rows runs every GEMM through cuBLASLt
 instead of cuBLAS's default choice (``lora_runtime.model.gemm_library``; read at import,
-"0,0": never). Captures only: eager forwards keep the default."""
+"0,0": never). Captures only: eager forwards keep the default. 8 layers of Llama-3-8B shapes,
+8 adapters r=16, context 512, decode replays LoRA / base traffic, us, cuBLAS / cuBLASLt: H100
+bs 1 1882 / 1869 and 1845 / 1842, bs 16 2116 / 2109 and 1987 / 1985, bs 64 2452 / 2402 and
+2260 / 2243, bs 256 4115 / 4147 and 3772 / 3772; H200 base bs 1 1359 / 1348, bs 16 1464 /
+1479, bs 64 1704 / 1652, bs 256 3307 / 3477 (docs/perf-notes.md, sessions 44 and 50)."""
 
 DELTA_GEMM_SMS_FREE = _int_pair("MULTILORA_DELTA_GEMM_SMS_FREE", "3,0")
 """``(min_rows, sms)``: a captured base GEMM of at least min_rows rows whose LoRA term runs

@@ -97,7 +97,7 @@ def add_tiles(a, b, b_base, y_rows, m_mask, b_r_mask, n_lo, n_hi, scale, stride_
     """``y[rows, tile] += scale * a @ B_tile`` for the group's tiles; ``b`` is the first tile,
     already loaded (the PDL prologue loads it before the wait). A loop, not unrolled: two
     unrolled 64 x 128 tiles took 254 registers a thread."""
-    for t in tl.range(0, TILES, num_stages=1):  # TILES <= 4 (config.expand_tiles_per_program)
+    for t in tl.range(0, TILES, num_stages=1):  # TILES <= 8 (config.expand_tiles_per_program)
         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
         if t > 0:

@@ -424,8 +424,10 @@ MUTANTS = [
            "the one-launch kernel's programs walk one output tile each (its shrink recomputed "
            "for every tile)",
            "kernels/config.py",
-           (("        tiles = min(2, waves)", "        tiles = 1"),),
-           ("tests/test_kernel_checks.py::test_one_launch_programs_reuse_their_recomputed_a",)),
+           (("    while (tiles < ONE_LAUNCH_MAX_TILES and tiles < num_tiles",
+             "    while (False and tiles < num_tiles"),),
+           ("tests/test_kernel_checks.py::"
+            "test_one_launch_programs_walk_the_fewest_tiles_that_fit_one_wave",)),
     Mutant("consumer_route_memoised_under_graph_hooks",
            "the eager route decision is memoised under the graph hooks too (a capture's "
            "eager warm-up would pick the route the capture records)",

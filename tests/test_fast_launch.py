@@ -206,12 +206,15 @@ def test_the_one_launch_term_binds_at_a_signatures_second_launch(monkeypatch):
     binds = []
     monkeypatch.setattr(se, "bind", lambda *a, **k: binds.append(a[2]))
     monkeypatch.setattr(se, "direct_launch_possible", lambda: True)  # as on a GPU
-    w = LoRAWeights.for_linear(2, 32, (16,), 4, torch.float32, "cpu")
+    # The interpreter's device on CPU, a GPU's where there is one (Triton compiled for a GPU
+    # refuses CPU tensors).
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = LoRAWeights.for_linear(2, 32, (16,), 4, torch.float32, dev)
     w.ranks[:2] = 4
-    x, y = torch.randn(3, 32), torch.zeros(3, 16)
+    x, y = torch.randn(3, 32, device=dev), torch.zeros(3, 16, device=dev)
     for slots, calls in (([0, 1, 0], 3), ([1, 1, 0], 2)):  # the second: a new signature
         binds.clear()
-        layout = SegmentLayout.from_plan(plan_segments(slots, block_m=16), "cpu")
+        layout = SegmentLayout.from_plan(plan_segments(slots, block_m=16), dev)
         for n in range(calls):
             assert len(binds) == max(0, n - 1)
             se.lora_shrink_expand(x, w, y, layout)

@@ -246,19 +246,30 @@ def test_column_align_divides_every_slice_bound(widths, align):
     assert all(b % w.column_align == 0 for b in w.slice_bounds)
 
 
-def test_one_launch_programs_reuse_their_recomputed_a():
-    """The one-launch kernel recomputes ``a`` in every program: once its grid covers the
-    device twice, a program walks two output tiles (the separate expand at decode walks one;
-    with one here the eager bs-64 r=64 step went from 1.27x to 1.48x its base on the H200)."""
+def test_one_launch_programs_walk_the_fewest_tiles_that_fit_one_wave(monkeypatch):
+    """The one-launch kernel recomputes ``a`` in every program: its programs walk the fewest
+    tiles (a power of two, at most 8) that bring the grid within one program an SM; the
+    separate expand keeps its own rule. Shapes of the H100 sweep (132 SMs, 128-column
+    tiles, rank 16, 8 blocks at T=16 with 8 adapters)."""
     from kernels import config
     from kernels.expand import launch_shape
 
+    monkeypatch.setattr(config, "programs_wanted", lambda device: 4 * 132)
     dev = torch.device("cpu")
-    blocks = 2 * config.programs_wanted(dev)  # a 1-tile-wide output: two waves of programs
-    assert launch_shape((128,), 16, blocks, 64, dev, None, None, None, one_launch=True)[2] == 2
-    assert launch_shape((128,), 16, blocks, 64, dev, None, None, None)[2] == 1
-    assert launch_shape((128,), 64, blocks, 64, dev, None, None, None)[2] == 4
-    assert launch_shape((128,), 64, blocks, 16, dev, None, None, None)[2] == 1
+
+    def tiles(widths, blocks, one_launch=True, block_m=16, rank=16):
+        return launch_shape(widths, block_m, blocks, rank, dev, None, None, None,
+                            one_launch=one_launch)[2]
+
+    assert tiles((4096,), 8) == 2  # down, o_proj: 256 programs at 1 tile, 128 at 2
+    assert tiles((4096, 1024, 1024), 8) == 4  # qkv: 192 programs at 2, 96 at 4
+    assert tiles((14336, 14336), 8) == 8  # gate_up: 224 programs at the cap
+    assert tiles((4096,), 1) == 1  # one block: 32 programs already
+    assert tiles((14336, 14336), 1) == 2  # 224 programs at 1, 112 at 2
+    assert tiles((128,), 500) == 1  # one tile a block: more tiles would not cut the grid
+    assert tiles((4096,), 8, one_launch=False) == 1  # the separate expand at decode
+    assert tiles((4096,), 64, one_launch=False, block_m=64, rank=64) == 4
+    assert launch_shape((4096,), 16, 8, 16, dev, 16, None, None, one_launch=True)[2] == 8
 
 
 @pytest.mark.parametrize("block_m, rank, one_launch, shape", [
