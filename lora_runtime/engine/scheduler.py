@@ -83,6 +83,10 @@ class Scheduler:
     ``max_overtake_steps`` for a slot: this rank admits base-model requests only, so the
     slots its adapters hold free up for it (a stream on a resident adapter kept one forever)."""
     _overtaken: int = 0
+    """Steps ``_head`` has waited at the head of the queue."""
+    _head: Request | None = None
+    """The request ``_overtaken`` counts for (a count kept by queue position passed on to
+    the next request: a failed warm-up's to the first one served after it)."""
     _oldest_lacks_slot: bool = False
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -95,14 +99,12 @@ class Scheduler:
     def abort(self, req: Request) -> bool:
         """Takes ``req`` out of the waiting queue or the running set; False where it is in
         neither. The oldest waiting request aborted, the next one starts its own overtake
-        count (it would inherit the aborted one's)."""
+        count (``_head``)."""
         if req in self.running:
             self.running.remove(req)
             return True
         if req not in self.waiting:
             return False
-        if self.waiting[0] is req:
-            self._overtaken = 0
         self.waiting.remove(req)
         return True
 
@@ -120,7 +122,7 @@ class Scheduler:
     def starved_of_slot(self) -> int:
         """Steps the oldest waiting request has waited past ``max_overtake_steps`` with no
         adapter slot for it (0: none such)."""
-        if (self.waiting and self._oldest_lacks_slot
+        if (self.waiting and self.waiting[0] is self._head and self._oldest_lacks_slot
                 and self._overtaken > self.config.max_overtake_steps):
             return self._overtaken
         return 0
@@ -143,7 +145,8 @@ class Scheduler:
     def _admit(self) -> None:
         free_kv = self.kv_capacity - self.reserved()
         adapters = self.running_adapters() | self.pinned()
-        for i, req in enumerate(list(self.waiting)):
+        oldest = True  # req is the oldest request still waiting (those before it admitted)
+        for req in list(self.waiting):
             if len(self.running) >= self.config.max_batch_size:
                 break
             new_adapters = adapters | ({req.adapter} if req.adapter is not None else set())
@@ -154,14 +157,21 @@ class Scheduler:
                 self.running.append(req)
                 free_kv -= req.kv_budget
                 adapters = new_adapters
-                if i == 0:
-                    self._overtaken = 0
                 continue
-            if i == 0:  # the oldest request waits: later ones may pass it, for a while
-                self._overtaken += 1
-                self._oldest_lacks_slot = not slot
+            if oldest:  # it waits: later ones may pass it, for a while
+                oldest = False
+                self._count_wait(req, slot)
                 if self._overtaken > self.config.max_overtake_steps:
                     break
+
+    def _count_wait(self, req: Request, slot: bool) -> None:
+        """One more step ``req`` waits at the head of the queue (the count starts again for
+        a new head: one that became the oldest within a step, the one before it admitted,
+        was passed uncounted, even with ``max_overtake_steps=0``)."""
+        if req is not self._head:
+            self._head, self._overtaken = req, 0
+        self._overtaken += 1
+        self._oldest_lacks_slot = not slot
 
     def _slots_fit(self, adapters: set[str]) -> bool:
         if len(adapters) > self.num_slots:
