@@ -27,9 +27,6 @@ class LoRALayer(nn.Module):
         self.backend = backend
         self.lora = weights
         self.set_lora = True
-        # A plain nn.Linear base runs as F.linear when LoRA is off, so a base-only or idle
-        # eager forward costs no more module calls than a model without LoRA.
-        self.plain_linear = type(base) is nn.Linear
 
     @property
     def lora_active(self) -> bool:
@@ -51,9 +48,11 @@ class LinearWithLoRA(LoRALayer):
     def _base_call(self):
         """The base layer as a function: ``F.linear`` on its parameters for a plain
         ``nn.Linear`` (``Module.__call__`` and ``__getattr__`` cost 1-10 us each on a slow
-        host, x 34 wrappers a forward); read from the registries, which stay current."""
+        host, x 34 wrappers a forward), so a base-only or idle eager forward costs no more
+        module calls than a model without LoRA. Read from the registries, which stay current:
+        a base swapped in after wrapping (a quantized layer) runs as itself."""
         base = self._modules["base"]
-        if not self.plain_linear:
+        if type(base) is not nn.Linear:
             return base
         params = base._parameters
         return lambda x: F.linear(x, params["weight"], params["bias"])

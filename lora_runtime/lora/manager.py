@@ -310,24 +310,31 @@ class LoRAManager:
 
     # -- model surgery ----------------------------------------------------------------------
     def _wrap_modules(self) -> None:
-        cfg, n = self.model.config, self.config.max_loras_per_batch
+        # Every slot buffer is allocated before the first wrap: an allocation that fails (out
+        # of memory) leaves the model unwrapped, for a manager with a smaller pool.
+        for parent, attr, key, weights in self._slot_buffers():
+            self._wrap(parent, attr, key, weights)
+
+    def _slot_buffers(self) -> list[tuple[nn.Module, str, tuple, LoRAWeights]]:
+        """(parent, attribute, weights key, LoRAWeights) of every module to wrap."""
+        cfg, n, r = self.model.config, self.config.max_loras_per_batch, self.config.max_rank
         wanted = self.config.runtime_modules
+        out = []
         for layer_idx, layer in enumerate(self.model.model.layers):
             for module in LAYER_MODULES:
-                parent = getattr(layer, BLOCK_OF[module])
                 if module in wanted:
                     k, widths = self._local_shape(module)
-                    w = LoRAWeights.for_linear(n, k, widths, self.config.max_rank, self.dtype,
-                                               self.device)
-                    self._wrap(parent, module, (layer_idx, module), w)
+                    w = LoRAWeights.for_linear(n, k, widths, r, self.dtype, self.device)
+                    out.append((getattr(layer, BLOCK_OF[module]), module, (layer_idx, module), w))
         if "embed_tokens" in wanted:
-            w = LoRAWeights.for_embedding(n, cfg.vocab_size, cfg.hidden_size,
-                                          self.config.max_rank, self.dtype, self.device)
-            self._wrap(self.model.model, "embed_tokens", (None, "embed_tokens"), w)
+            w = LoRAWeights.for_embedding(n, cfg.vocab_size, cfg.hidden_size, r, self.dtype,
+                                          self.device)
+            out.append((self.model.model, "embed_tokens", (None, "embed_tokens"), w))
         if "lm_head" in wanted:
-            w = LoRAWeights.for_linear(n, cfg.hidden_size, (cfg.vocab_size,),
-                                       self.config.max_rank, self.dtype, self.device)
-            self._wrap(self.model, "lm_head", (None, "lm_head"), w)
+            w = LoRAWeights.for_linear(n, cfg.hidden_size, (cfg.vocab_size,), r, self.dtype,
+                                       self.device)
+            out.append((self.model, "lm_head", (None, "lm_head"), w))
+        return out
 
     def _local_shape(self, module: str) -> tuple[int, tuple[int, ...]]:
         """(in_features, slice widths) this rank holds: under DP, A of a row-parallel module

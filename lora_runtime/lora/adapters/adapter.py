@@ -48,6 +48,14 @@ class LoRAAdapter:
     """Full base weights PEFT saves beside embedding LoRA (``save_embedding_layers``), by
     target (embed_tokens, lm_head). Served only if they equal the model's own."""
 
+    def __post_init__(self) -> None:
+        # None is no pattern, as PEFT's Optional fields and a config's null read (dict() of it
+        # failed the load with a bare TypeError, .values() the save).
+        if self.rank_pattern is None:
+            self.rank_pattern = {}
+        if self.alpha_pattern is None:
+            self.alpha_pattern = {}
+
     @property
     def max_rank(self) -> int:
         return max((m.rank for m in self.modules.values()), default=0)
@@ -121,7 +129,16 @@ class LoRAAdapter:
             if not is_finite_number(m.scaling):
                 raise AdapterError(f"{where}: scaling must be a finite number, got "
                                    f"{m.scaling!r}")
+        self._validate_patterns()
         self._validate_base_layers(config)
+
+    def _validate_patterns(self) -> None:
+        for label in ("rank_pattern", "alpha_pattern"):
+            value = getattr(self, label)
+            if not isinstance(value, dict):
+                raise AdapterError(f"adapter {self.name!r}: {label} must be a dict of module "
+                                   f"regex -> value (None or {{}}: no pattern), got "
+                                   f"{type(value).__name__} {value!r}")
 
     def _validate_base_layers(self, config: LlamaConfig) -> None:
         if not isinstance(self.base_layers, dict):

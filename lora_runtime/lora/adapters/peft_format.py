@@ -185,8 +185,8 @@ def _scaling_config(adapter: LoRAAdapter) -> tuple[int, float, dict, dict]:
             _pattern_value(adapter.rank_pattern, p, adapter.r) == m.rank
             and scaling(_pattern_value(adapter.alpha_pattern, p, adapter.alpha), m.rank)
             == float(m.scaling) for p, m in mods.items()))
-    except (re.error, TypeError):
-        own = False  # pattern keys that are not regexes
+    except (re.error, TypeError, AttributeError):
+        own = False  # patterns that are not dicts of regexes
     if own:
         return adapter.r, adapter.alpha, dict(adapter.rank_pattern), dict(adapter.alpha_pattern)
     prefer = float(adapter.alpha) if is_finite_number(adapter.alpha) else None
