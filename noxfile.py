@@ -36,6 +36,11 @@ def _python(session: nox.Session) -> str:
         session.log(f"TORCH_INDEX_URL is now {index or '(unset)'!r}, the shared environment's "
                     f"torch came from {came!r}: recreating it")
         shutil.rmtree(SHARED)
+    if not py.exists() and SHARED.exists():
+        # Its interpreter is gone (a dangling link: that Python removed or upgraded). A venv
+        # made over the folder keeps the link, and the stamp would skip the install.
+        session.log(f"the shared environment's interpreter {py} is missing: recreating it")
+        shutil.rmtree(SHARED)
     if not py.exists():
         session.log(f"creating the shared environment {SHARED}")
         session.run(sys.executable, "-m", "venv", str(SHARED))

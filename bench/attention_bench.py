@@ -291,6 +291,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.json:
         check_out_file(parser, "--json", args.json)
+    if args.sweep and args.quick:  # the sweep's cases were run, --quick said nothing
+        parser.error("--sweep runs its own cases (launch variants): drop --quick")
+    if args.sweep and not torch.cuda.is_available():  # Llama-3-8B heads in the interpreter
+        parser.error("--sweep times launch variants of Llama-3-8B-sized cases on a GPU; "
+                     "without one they run in the Triton interpreter for hours and its times "
+                     "say nothing of a launch: run it on a GPU")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     print(TABLE_HEAD, flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -339,6 +340,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(f"--timeout: {e}")
     check_out(p, args.out)
+    for flag in ("sizes", "adapters", "loads"):  # a case run twice, two rows of it in --out
+        values = getattr(args, flag) or []
+        twice = next((v for v in values if values.count(v) > 1), None)
+        if twice is not None:
+            p.error(f"--{flag} {' '.join(map(str, values))}: {twice} is given twice")
     opts = {k: getattr(args, k) for k in ("preset", "layers", *WORKLOAD)}
     opts["cases"] = [{"adapters": a, "load": load, "rank": args.rank}
                      for a in args.adapters for load in args.loads]
@@ -352,7 +358,7 @@ def main(argv=None) -> int:
         part = args.out.with_suffix(f".dp{size}.json")
         run_rank(int(os.environ["RANK"]), size, opts, str(part))
         if int(os.environ["RANK"]) == 0:
-            rows = json.loads(part.read_text())
+            rows = _reproducible(json.loads(part.read_text()), args)
             results.upsert(args.out, _run_record(argv), rows)
             part.unlink()
             print(f"wrote {args.out}")
@@ -362,12 +368,29 @@ def main(argv=None) -> int:
     for size in args.sizes or [1, 2]:
         part = args.out.with_suffix(f".dp{size}.json")
         spawn(run_rank, size, size, opts, str(part), timeout_s=args.timeout)
-        new = json.loads(part.read_text())
+        new = _reproducible(json.loads(part.read_text()), args)
         results.upsert(args.out, run, new)
         rows += new
         part.unlink()
     print(f"wrote {args.out}")
     return _exit_status(rows)
+
+
+def _reproducible(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """``rows`` with this tool's command for each case: the ranks make them with the ``python
+    -m bench`` one, which runs the profile's workload, and matches no case where the tool ran
+    another model or load."""
+    return [r | {"reproduce": reproduce(r, args)} for r in rows]
+
+
+def reproduce(row: dict, args: argparse.Namespace) -> str:
+    """The command that runs ``row``'s case alone, with the workload of this run."""
+    argv = ["--sizes", row["dp_size"], "--preset", args.preset, "--layers", args.layers,
+            "--adapters", row["adapters"], "--loads", row["load"], "--rank", args.rank,
+            *(x for k in WORKLOAD for x in (f"--{k.replace('_', '-')}", getattr(args, k))),
+            "--timeout", args.timeout, *(["--serial"] if args.serial else []),
+            "--out", args.out]
+    return " ".join(shlex.quote(str(a)) for a in ["python", "-m", "bench.dp_bench", *argv])
 
 
 def _exit_status(rows: list[dict]) -> int:

@@ -119,6 +119,8 @@ def _timed(r: dict) -> bool:
 
 def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
     base = {(r.get("device"), results.row_id(r)): r for r in base_rows if _timed(r)}
+    # A case of two devices is two lines and two bars: their names must differ.
+    several = len({r.get("device") for r in rows}) > 1
     pairs, cells = [], []
     for r in rows:
         b = base.get((r.get("device"), results.row_id(r)))
@@ -126,7 +128,8 @@ def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
             continue
         ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
         variant = " ".join(str(r.get(k)) for k in r["variant"])
-        name = f"{r['label']} [{variant}]"
+        name = f"{r['label']} [{variant}]" + (
+            f" on {r.get('device') or 'unknown device'}" if several else "")
         pairs.append((name, ratio))
         flag = ("REGRESSION" if ratio > REGRESSION else
                 "faster" if ratio < 1 / REGRESSION else "")
