@@ -37,6 +37,12 @@ _joins = 0
 ``shutdown`` between: the same epoch and store) once reused the first one's keys, and a
 rank's set-up check read a peer's earlier answer at once instead of waiting for its new one
 (a DPEngine built with other settings on that peer passed the check on this rank)."""
+_rendezvous: tuple[tuple[str, ...], dist.Store] | None = None
+"""(the environment it was made from, the store) of the first world this process joined: every
+later world of that environment meets in it (``_join_world``)."""
+_joined: list[tuple[object, list, bool]] = []
+"""(the world's default group, the groups ``init_dp`` made, whether it made the world too) for
+each ``init_dp`` since ``shutdown``, which destroys only the groups of a world the caller made."""
 
 
 def _current_epoch() -> int:
@@ -140,14 +146,32 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     if dist.is_initialized():
         # The caller's group keeps the caller's timeout (torch's default: 10-30 minutes, which
         # a dead rank's peers would wait out): the DP collectives get a group of their own.
-        group = dist.new_group(backend=backend, timeout=timeout)
+        group, ours = dist.new_group(backend=backend, timeout=timeout), False
     else:
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
-        group = dist.group.WORLD
+        _join_world(backend, timeout, device)
+        group, ours = dist.group.WORLD, True
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else group
+    _joined.append((dist.group.WORLD, list(dict.fromkeys([group, cpu_group])), ours))
     _wait_s, _store_exchanges, _joins = timeout_s, 0, _joins + 1
     return DPGroup(dist.get_rank(), dist.get_world_size(), group, cpu_group, timeout_s)
+
+
+def _join_world(backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
+    """``init_process_group`` from torchrun's environment, in a store kept for the process's
+    later worlds, under keys of this join. Hazard: after ``shutdown`` a rank may join again
+    while rank 0, whose process hosts the store, is still leaving (or holds the old world's
+    objects): a fresh rendezvous on MASTER_PORT met the old store and its old gloo addresses,
+    and every rank failed on gloo's connect ("Connect timeout", "Connection reset by peer")."""
+    global _rendezvous
+    env = tuple(os.environ[v] for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+    if _rendezvous is None or _rendezvous[0] != env:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        _rendezvous = (env, store)
+    store = _rendezvous[1]
+    store.set_timeout(timeout)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dp_world/{_joins}", store),
+                            rank=int(env[2]), world_size=int(env[3]), timeout=timeout, **kwargs)
 
 
 def resolved_timeout_s(timeout_s: float | None) -> float:
@@ -183,11 +207,12 @@ def _in_range(timeout_s) -> bool:
 
 def shutdown(device: torch.device) -> None:
     """Synchronises and leaves the group (graphs must be released first: a process holding
-    captured collectives may not exit on its own). Every rank calls it after its last DPEngine
-    call; it waits for the others (``init_dp``'s timeout at most, then raises naming the ranks
-    that did not come, having left). A rank that faulted (``mark_fault``) leaves at once: its
-    peers may be held in a collective it will never join (they fail when its process ends, or
-    at the timeout). Afterwards every DPGroup of the process is closed (``check_open``).
+    captured collectives may not exit on its own): the world too where ``init_dp`` made it,
+    else only the groups it made in the caller's world. Every rank calls it after its last
+    DPEngine call; it waits for the others (``init_dp``'s timeout at most, then raises naming
+    the ranks that did not come, having left). A rank that faulted (``mark_fault``) leaves at
+    once: its peers may be held in a collective it will never join (they fail when its process
+    ends, or at the timeout). Afterwards every DPGroup of the process is closed (``check_open``).
     Hazard: after a gloo collective failed (a timeout, a peer gone), the process may still
     abort while exiting, as the interpreter tears the pairs down ("terminate called without
     an active exception"; about 1 exit in 25 on gloo CPU ranks): leave by ``os._exit`` once
@@ -201,7 +226,7 @@ def shutdown(device: torch.device) -> None:
     _epoch += 1  # every DPGroup is closed from here on, whatever happens below
     _fault, _store_exchanges = None, 0
     if dist.get_backend() != "gloo":
-        dist.destroy_process_group()
+        _leave()
         return
     # Hazard: a rank that tears its gloo pairs down while a peer still completes the last
     # collective aborts that peer ("terminate called without an active exception", SIGABRT;
@@ -219,7 +244,7 @@ def shutdown(device: torch.device) -> None:
 
     if fault is not None:
         _quietly(store.set, key("arrived", rank), "fault")
-        dist.destroy_process_group()
+        _leave()
         _quietly(store.set, key("left", rank), "1")
         return
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -236,9 +261,24 @@ def shutdown(device: torch.device) -> None:
         if rank == 0:  # every rank returned from its collectives: a late "left" harms none
             _quietly(store.wait, [key("left", r) for r in range(1, size)], timeout)
     finally:
-        dist.destroy_process_group()
+        _leave()
     if rank != 0:
         _quietly(store.set, key("left", rank), "1")
+
+
+def _leave() -> None:
+    """Destroys the world where ``init_dp`` made it, else only the groups it made in the
+    caller's world (destroyed, the caller's next collective raised "Default process group has
+    not been initialized")."""
+    global _joined
+    world = dist.group.WORLD
+    joined, _joined = [j for j in _joined if j[0] is world], []
+    if not joined or any(ours for _, _, ours in joined):
+        dist.destroy_process_group()
+        return
+    for _, groups, _ in joined:
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
 def _unmet(name: str, missing: list[int] | None, timeout_s: float, error: Exception) -> str:
