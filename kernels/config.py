@@ -22,6 +22,15 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def _int_env(env: str, default: str) -> int:
+    """A tuning variable's integer (read at import), or an error naming it."""
+    text = os.environ.get(env, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{env}={text!r}: give an integer, e.g. {env}={default}") from None
+
+
 @functools.cache
 def interpreted() -> bool:
     """Read once: Triton picks the interpreter when a kernel is decorated, at import."""
@@ -69,11 +78,11 @@ def one_launch_k_block(block_r: int, block_m: int, k: int, elt: int, programs: i
     return step
 
 
-SHRINK_PROGRAMS = int(os.environ.get("MULTILORA_SHRINK_PROGRAMS", "0"))
+SHRINK_PROGRAMS = _int_env("MULTILORA_SHRINK_PROGRAMS", "0")
 """Programs the shrink's K split aims for (0: ``programs_wanted``). Read at import; A/B runs."""
 
 
-EAGER_SHRINK_SPLITS = int(os.environ.get("MULTILORA_EAGER_SHRINK_SPLITS", "1"))
+EAGER_SHRINK_SPLITS = _int_env("MULTILORA_EAGER_SHRINK_SPLITS", "1")
 """At most this many K splits for a shrink launched eagerly on a GPU (0: no limit; read at
 import). A split shrink adds into a zeroed output: one memset launch more, and an eager
 forward is bound by its launches' host time (~50-100 us each on the H200 host). H200, 4
@@ -137,8 +146,8 @@ def expand_warps(block_m: int, block_n: int, block_r: int, one_launch: bool = Fa
 
 
 def expand_tiles_per_program(
-    num_blocks: int, num_tiles: int, block_m: int, block_r: int, device: torch.device,
-    tiles: int | None, one_launch: bool = False
+    num_blocks: int, slice_tiles: tuple[int, ...], block_m: int, block_r: int,
+    device: torch.device, tiles: int | None, one_launch: bool = False
 ) -> int:
     """Output tiles one expand program walks, reusing its ``a`` tile (``BLOCK_M x BLOCK_R``
     fp32, half a ``BLOCK_M x 128`` y tile's read and write at rank 64): at prefill (blocks of
@@ -149,9 +158,9 @@ def expand_tiles_per_program(
     gate_up T=64 r=64 18.0 / 18.2 / 22.2, qkv T=64 r=64 6.0 / 7.6 / 10.2, gate_up T=64 r=16
     8.7 / 7.8 / 10.1. The one-launch kernel (``one_launch``): ``one_launch_tiles``."""
     if tiles is None and one_launch:
-        return one_launch_tiles(num_blocks, num_tiles, device)
+        return one_launch_tiles(num_blocks, slice_tiles, device)
     if tiles is None:
-        waves = num_blocks * num_tiles // max(1, programs_wanted(device))
+        waves = num_blocks * sum(slice_tiles) // max(1, programs_wanted(device))
         tiles = 4 if block_m >= 64 and block_r >= 32 and waves >= 2 else 1
     tiles = max(1, min(ONE_LAUNCH_MAX_TILES if one_launch else 4, tiles))
     return 1 << (tiles.bit_length() - 1)
@@ -160,9 +169,11 @@ def expand_tiles_per_program(
 ONE_LAUNCH_MAX_TILES = 8
 
 
-def one_launch_tiles(num_blocks: int, num_tiles: int, device: torch.device) -> int:
+def one_launch_tiles(num_blocks: int, slice_tiles: tuple[int, ...],
+                     device: torch.device) -> int:
     """Output tiles a one-launch program walks: the fewest (a power of two, at most
-    ``ONE_LAUNCH_MAX_TILES``) that bring the grid within one program an SM. Every program
+    ``ONE_LAUNCH_MAX_TILES``) that bring the grid (``num_blocks`` x each slice's groups of
+    its ``slice_tiles``) within one program an SM. Every program
     recomputes its block's shrink over the whole K, so each program fewer saves a walk, and a
     grid within one wave also takes the wide K step (``one_launch_k_block``). H100, the launch
     alone in a graph, 8 adapters r=16 at T=16 (8 blocks; T=64 the same within 0.4 us), us at
@@ -171,8 +182,10 @@ def one_launch_tiles(num_blocks: int, num_tiles: int, device: torch.device) -> i
     / 24.4 / 17.0 (1,792; 2 tiles before, the grid covering the device three times)."""
     sms = max(1, programs_wanted(device) // 4)
     tiles = 1
+    num_tiles = max(slice_tiles)  # more tiles than the widest slice's cut no group
+    # Groups counted slice by slice, as the launch's are: none straddles two slices.
     while (tiles < ONE_LAUNCH_MAX_TILES and tiles < num_tiles
-           and num_blocks * cdiv(num_tiles, tiles) > sms):
+           and num_blocks * sum(cdiv(n, tiles) for n in slice_tiles) > sms):
         tiles *= 2
     return tiles
 
@@ -181,7 +194,7 @@ def num_warps(block_m: int, block_cols: int) -> int:
     return 8 if block_m * block_cols > 8192 else 4
 
 
-FUSED_EXPAND_MIN_ROWS = int(os.environ.get("MULTILORA_FUSED_EXPAND_MIN_ROWS", "64"))
+FUSED_EXPAND_MIN_ROWS = _int_env("MULTILORA_FUSED_EXPAND_MIN_ROWS", "64")
 """gate_up's expand runs inside SwiGLU's activation (``kernels.lora_epilogue``) for forwards of
 at least this many rows (read at import; 0: always, a huge value: never). H200, one graph per
 case, gate_up + activation, LoRA's added share of the base: T=1 5.2% separate / 4.7% fused,
@@ -190,9 +203,9 @@ T=16/8 adapters 13.3 / 21.9%, T=32/16 32.0 / 32.5%, T=64/8 15.9 / 10.9%, T=128/1
 
 
 ROW_EPILOGUE_MAX_ROWS = {
-    "rope": int(os.environ.get("MULTILORA_ROPE_EPILOGUE_MAX_ROWS", "63")),
-    "silu_mul": int(os.environ.get("MULTILORA_SILU_EPILOGUE_MAX_ROWS", "63")),
-    "norm": int(os.environ.get("MULTILORA_NORM_EPILOGUE_MAX_ROWS", "-1")),
+    "rope": _int_env("MULTILORA_ROPE_EPILOGUE_MAX_ROWS", "63"),
+    "silu_mul": _int_env("MULTILORA_SILU_EPILOGUE_MAX_ROWS", "63"),
+    "norm": _int_env("MULTILORA_NORM_EPILOGUE_MAX_ROWS", "-1"),
 }
 """Forwards of at most this many rows add qkv's LoRA term in RoPE with the KV write ("rope"),
 gate_up's in SwiGLU's activation ("silu_mul") and o_proj's and down's in the residual add +
@@ -212,8 +225,8 @@ def norm_rows_split(x: torch.Tensor) -> bool:
     return NORM_ROWS_SPLIT and not eager(x)
 
 
-EAGER_EPILOGUE_MAX_ROWS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_MAX_ROWS", "1024"))
-EAGER_EPILOGUE_ROW_RANKS = int(os.environ.get("MULTILORA_EAGER_EPILOGUE_ROW_RANKS", "16384"))
+EAGER_EPILOGUE_MAX_ROWS = _int_env("MULTILORA_EAGER_EPILOGUE_MAX_ROWS", "1024")
+EAGER_EPILOGUE_ROW_RANKS = _int_env("MULTILORA_EAGER_EPILOGUE_ROW_RANKS", "16384")
 """Eager forwards of at most ``EAGER_EPILOGUE_MAX_ROWS`` rows, rows x ``rank_block(max_rank)``
 at most ``EAGER_EPILOGUE_ROW_RANKS``, leave qkv's and o_proj's and down's expand to RoPE and the
 residual add + RMSNorm by rows too (read at import; 0: never): an eager step past the
@@ -230,7 +243,7 @@ def fused_expand(rows: int) -> bool:
     return rows >= FUSED_EXPAND_MIN_ROWS
 
 
-WIDE_BLOCKS_MIN_ROWS = int(os.environ.get("MULTILORA_WIDE_BLOCKS_MIN_ROWS", "256"))
+WIDE_BLOCKS_MIN_ROWS = _int_env("MULTILORA_WIDE_BLOCKS_MIN_ROWS", "256")
 WIDE_BLOCK = (32, 128, 4)
 """SwiGLU adds a pending term by blocks of ``WIDE_BLOCK`` = (rows, columns, warps) for
 forwards of at least ``WIDE_BLOCKS_MIN_ROWS`` rows (read at import; a huge value: never), by
@@ -252,7 +265,7 @@ def wide_blocks(rows: int, layout_block_m: int) -> bool:
     return rows >= WIDE_BLOCKS_MIN_ROWS and layout_block_m >= 64
 
 
-POOL_EPILOGUE_MAX_ROWS = int(os.environ.get("MULTILORA_POOL_EPILOGUE_MAX_ROWS", "64"))
+POOL_EPILOGUE_MAX_ROWS = _int_env("MULTILORA_POOL_EPILOGUE_MAX_ROWS", "64")
 """RoPE and SwiGLU also add their term by rows for forwards of at most this many rows when the
 pool has at least as many slots as the forward has rows (read at import; 0: never). By rows
 each row reads its own adapter's B; by blocks, or in a separate expand, each (block, slot)
@@ -287,12 +300,16 @@ def eager(x: torch.Tensor) -> bool:
                                   and torch.cuda.is_current_stream_capturing())
 
 
-ROW_SHRINK_ELEMENTS = int(os.environ.get("MULTILORA_ROW_SHRINK_ELEMENTS", "16384"))
+ROW_SHRINK_ELEMENTS = _int_env("MULTILORA_ROW_SHRINK_ELEMENTS", "16384")
 """A elements a by-rows consumer's shrink loads a step (read at import). Each step is a
 dependent load of one program, so the step count sets the shrink's latency: H200, eager
 4-layer forward, 16 adapters r=16, bs 1, with 4096: the residual add + RMSNorm with the term
 54 us a call (down's K of 14336 in 56 steps), SwiGLU 40 us, RoPE 25 us; see
 docs/perf-notes.md for 16384."""
+if ROW_SHRINK_ELEMENTS < 16 or ROW_SHRINK_ELEMENTS & (ROW_SHRINK_ELEMENTS - 1):
+    # Kernels span its K step (this over the rank chunk) and warps with it: a power of two.
+    raise ValueError(f"MULTILORA_ROW_SHRINK_ELEMENTS={ROW_SHRINK_ELEMENTS}: give a power of two "
+                     ">= 16, e.g. MULTILORA_ROW_SHRINK_ELEMENTS=16384")
 
 
 ROW_RANK_CHUNK = 16
@@ -338,9 +355,9 @@ def silu_shrink_groups(rows: int) -> int:
     return 4 if rows * 4 >= ROW_SHRINK_PROGRAMS else 8
 
 
-CONSUMER_SHRINK_MAX_ROWS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "256"))
-CONSUMER_SHRINK_MAX_RANK = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_MAX_RANK", "64"))
-CONSUMER_SHRINK_ROW_RANKS = int(os.environ.get("MULTILORA_CONSUMER_SHRINK_ROW_RANKS", "4096"))
+CONSUMER_SHRINK_MAX_ROWS = _int_env("MULTILORA_CONSUMER_SHRINK_MAX_ROWS", "256")
+CONSUMER_SHRINK_MAX_RANK = _int_env("MULTILORA_CONSUMER_SHRINK_MAX_RANK", "64")
+CONSUMER_SHRINK_ROW_RANKS = _int_env("MULTILORA_CONSUMER_SHRINK_ROW_RANKS", "4096")
 """Eager forwards of at most ``CONSUMER_SHRINK_MAX_ROWS`` rows, of weights whose largest rank
 is at most ``CONSUMER_SHRINK_MAX_RANK``, with rows x ``rank_block(max_rank)`` at most
 ``CONSUMER_SHRINK_ROW_RANKS``, leave a projection's whole LoRA term, shrink included, to the
@@ -360,8 +377,8 @@ kernels bound the step, 6.9 ms of kernels against 3.3), the 8/16/64 pool at bs 2
 
 
 UNSHRUNK_BLOCKS_MIN_ROWS = {
-    "silu_mul": int(os.environ.get("MULTILORA_SILU_UNSHRUNK_BLOCKS_MIN_ROWS", "128")),
-    "norm": int(os.environ.get("MULTILORA_NORM_UNSHRUNK_BLOCKS_MIN_ROWS", "128")),
+    "silu_mul": _int_env("MULTILORA_SILU_UNSHRUNK_BLOCKS_MIN_ROWS", "128"),
+    "norm": _int_env("MULTILORA_NORM_UNSHRUNK_BLOCKS_MIN_ROWS", "128"),
 }
 """From this many rows, where the layout's segment blocks are at most its windows of
 ``FUSE_BLOCK_M`` permuted rows (about one adapter a window), a consumer computes an unshrunk
@@ -374,13 +391,13 @@ kernel time a forward, by rows / by windows (132 programs): r=16 bs 32 111 / 660
 193 / 402, bs 256 541 / 264; r=64 bs 64 695 / 693; full depth 8 adapters bs 256 4320 / 2058
 (264 programs: 1552)."""
 
-BLOCK_SHRINK_PROGRAMS = int(os.environ.get("MULTILORA_BLOCK_SHRINK_PROGRAMS", "264"))
+BLOCK_SHRINK_PROGRAMS = _int_env("MULTILORA_BLOCK_SHRINK_PROGRAMS", "264")
 """Programs a by-windows consumer that computes its shrink aims for (two per H200 SM): each
 column group repeats its window's shrink, and each program walks its group's column tiles in
 sequence."""
 
-CONSUMER_SHRINK_BLOCKS_MAX_ROWS = int(os.environ.get(
-    "MULTILORA_CONSUMER_SHRINK_BLOCKS_MAX_ROWS", "1024"))
+CONSUMER_SHRINK_BLOCKS_MAX_ROWS = _int_env(
+    "MULTILORA_CONSUMER_SHRINK_BLOCKS_MAX_ROWS", "1024")
 """Eager forwards of at most this many rows may leave gate_up's whole term to SwiGLU by
 windows (``UNSHRUNK_BLOCKS_MIN_ROWS``; rank limit ``CONSUMER_SHRINK_MAX_RANK``): its
 recomputation grows with rows, not rows x rank."""
@@ -411,8 +428,8 @@ def unshrunk_by_rows(rows: int, max_rank: int) -> bool:
             and rows * rank_block(max_rank) <= CONSUMER_SHRINK_ROW_RANKS)
 
 
-NORM_UNSHRUNK_WINDOWS_MAX_ROWS = int(os.environ.get(
-    "MULTILORA_NORM_UNSHRUNK_WINDOWS_MAX_ROWS", "256"))
+NORM_UNSHRUNK_WINDOWS_MAX_ROWS = _int_env(
+    "MULTILORA_NORM_UNSHRUNK_WINDOWS_MAX_ROWS", "256")
 """The norm computes an unshrunk term by windows for at most this many rows."""
 
 
@@ -452,8 +469,8 @@ def row_block_n(block_r: int) -> int:
 
 
 PENDING_WINDOWS_MIN_ROWS = {
-    "norm": int(os.environ.get("MULTILORA_NORM_PENDING_WINDOWS_MIN_ROWS", "128")),
-    "rope": int(os.environ.get("MULTILORA_ROPE_PENDING_WINDOWS_MIN_ROWS", "128")),
+    "norm": _int_env("MULTILORA_NORM_PENDING_WINDOWS_MIN_ROWS", "128"),
+    "rope": _int_env("MULTILORA_ROPE_PENDING_WINDOWS_MIN_ROWS", "128"),
 }
 """Eager forwards of this many rows or more whose projection leaves its expand to the
 consumer have it add the pending term by windows of ``FUSE_BLOCK_M`` permuted rows instead of
@@ -463,8 +480,8 @@ H200, 4 layers, 16 adapters r=64, bs 256: the norm's kernel time a forward 697 u
 182-187 by windows. Read at import; a huge value: never."""
 
 GRAPH_WINDOWS_MIN_ROWS = {
-    "rope": int(os.environ.get("MULTILORA_ROPE_GRAPH_WINDOWS_MIN_ROWS", "128")),
-    "norm": int(os.environ.get("MULTILORA_NORM_GRAPH_WINDOWS_MIN_ROWS", str(sys.maxsize))),
+    "rope": _int_env("MULTILORA_ROPE_GRAPH_WINDOWS_MIN_ROWS", "128"),
+    "norm": _int_env("MULTILORA_NORM_GRAPH_WINDOWS_MIN_ROWS", str(sys.maxsize)),
 }
 """The same inside a graph capture or a trace, where the alternative is the projection's
 separate expand after its GEMM: RoPE (qkv's term, ``kernels.rope_kv_windows``), the norm
@@ -500,10 +517,10 @@ def expand_in_consumer(x: torch.Tensor, consumer: str, max_rank: int, num_slots:
 
 
 DELTA_MAX_ROWS = {
-    "norm": int(os.environ.get("MULTILORA_NORM_DELTA_MAX_ROWS", "2")),
-    "down": int(os.environ.get("MULTILORA_DOWN_DELTA_MAX_ROWS", "2")),
-    "rope": int(os.environ.get("MULTILORA_ROPE_DELTA_MAX_ROWS", "2")),
-    "silu_mul": int(os.environ.get("MULTILORA_SILU_DELTA_MAX_ROWS", "2")),
+    "norm": _int_env("MULTILORA_NORM_DELTA_MAX_ROWS", "2"),
+    "down": _int_env("MULTILORA_DOWN_DELTA_MAX_ROWS", "2"),
+    "rope": _int_env("MULTILORA_ROPE_DELTA_MAX_ROWS", "2"),
+    "silu_mul": _int_env("MULTILORA_SILU_DELTA_MAX_ROWS", "2"),
 }
 """Inside a CUDA graph capture, forwards of at most this many rows compute their LoRA term beside
 the base GEMM into a float32 delta that the next kernel adds (read at import; -1: never): the
@@ -520,7 +537,7 @@ def delta_beside(x: torch.Tensor, route: str) -> bool:
             and torch.cuda.is_current_stream_capturing())
 
 
-ONE_LAUNCH_MAX_ROWS = int(os.environ.get("MULTILORA_ONE_LAUNCH_MAX_ROWS", "64"))
+ONE_LAUNCH_MAX_ROWS = _int_env("MULTILORA_ONE_LAUNCH_MAX_ROWS", "64")
 """Eager LoRA linears of at most this many rows may run shrink and expand as one launch
 (``kernels.shrink_expand``; read at import, 0: never). Each output group recomputes its
 block's shrink, so the GPU work grows with blocks x groups: only worth it where an eager step
@@ -529,7 +546,7 @@ bounded by ``ONE_LAUNCH_BUDGET``."""
 
 ONE_LAUNCH_FREE_ROWS = 16
 
-ONE_LAUNCH_BUDGET = int(os.environ.get("MULTILORA_ONE_LAUNCH_BUDGET", "2048"))
+ONE_LAUNCH_BUDGET = _int_env("MULTILORA_ONE_LAUNCH_BUDGET", "2048")
 """Above ``ONE_LAUNCH_FREE_ROWS`` rows, one launch only while ``blocks x (block_m + rank
 block)`` (the rows of x and A each output group re-reads) is at most this. H200, 4 layers,
 eager LoRA step over eager base at 16 / 64 rows' limit: 16 adapters r=16, bs 64 (16 x 32 =
@@ -549,7 +566,7 @@ def one_launch_lora(x: torch.Tensor, blocks: int, block_m: int, max_rank: int) -
     return eager(x)
 
 
-FORK_MAX_ROWS = int(os.environ.get("MULTILORA_FORK_MAX_ROWS", "2048"))
+FORK_MAX_ROWS = _int_env("MULTILORA_FORK_MAX_ROWS", "2048")
 """Inside a CUDA graph capture, forwards of at most this many rows run each shrink on a branch
 beside its base GEMM (``lora_runtime.lora.side_stream``); larger ones run it after the GEMM,
 in stream order: their GEMMs fill the device, and a branch beside them only takes SMs from

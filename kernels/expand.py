@@ -219,6 +219,7 @@ def check_expand_args(weights: LoRAWeights, y: torch.Tensor, layout: SegmentLayo
     if seen is not None and seen[0] is b and seen[1:] == (y.dtype, y.device):
         return
     check_dtype("y", y)
+    check_dtype("lora_b", b)  # a float32 y takes B of another dtype
     check(b.dtype == y.dtype or y.dtype == torch.float32,
           lambda: f"lora_b dtype {b.dtype} differs from y dtype {y.dtype} (y may also be a "
           "float32 delta)")
@@ -238,8 +239,8 @@ def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int, m
     Python cost per eager launch was ~8 us on a slow host)."""
     block_r = config.rank_block(max_rank)
     block_n = block_n or config.expand_n_block(max(slice_widths), block_m, block_r, one_launch)
-    slice_tiles = [config.cdiv(w, block_n) for w in slice_widths]
-    tiles = config.expand_tiles_per_program(num_blocks, sum(slice_tiles), block_m, block_r,
+    slice_tiles = tuple(config.cdiv(w, block_n) for w in slice_widths)
+    tiles = config.expand_tiles_per_program(num_blocks, slice_tiles, block_m, block_r,
                                             device, tiles, one_launch)
     num_groups = sum(config.cdiv(n, tiles) for n in slice_tiles)
     return num_groups, block_n, tiles, num_warps or config.expand_warps(block_m, block_n,

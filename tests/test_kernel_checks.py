@@ -246,7 +246,7 @@ def test_column_align_divides_every_slice_bound(widths, align):
     assert all(b % w.column_align == 0 for b in w.slice_bounds)
 
 
-def test_one_launch_programs_walk_the_fewest_tiles_that_fit_one_wave(monkeypatch):
+def test_one_launch_programs_walk_the_fewest_tiles_that_fit_one_wave(monkeypatch, request):
     """The one-launch kernel recomputes ``a`` in every program: its programs walk the fewest
     tiles (a power of two, at most 8) that bring the grid within one program an SM; the
     separate expand keeps its own rule. Shapes of the H100 sweep (132 SMs, 128-column
@@ -255,6 +255,9 @@ def test_one_launch_programs_walk_the_fewest_tiles_that_fit_one_wave(monkeypatch
     from kernels.expand import launch_shape
 
     monkeypatch.setattr(config, "programs_wanted", lambda device: 4 * 132)
+    # launch_shape is cached: the shapes of a 132-SM device must not outlive the test.
+    launch_shape.cache_clear()
+    request.addfinalizer(launch_shape.cache_clear)
     dev = torch.device("cpu")
 
     def tiles(widths, blocks, one_launch=True, block_m=16, rank=16):
