@@ -131,11 +131,12 @@ def _missing(store, keys: list[str]) -> list[int] | None:
         return None
 
 
-def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
+def init_dp(device: torch.device | str, timeout_s: float | None = None) -> DPGroup:
     """Joins the group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT). GPUs: rank r uses cuda:LOCAL_RANK. The collectives' timeout: DP_TIMEOUT_S
     where set, else ``timeout_s``, else ``DEFAULT_TIMEOUT_S``."""
     global _wait_s, _store_exchanges, _joins
+    device = _as_device(device, "init_dp")
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: launch the ranks with torchrun or "
@@ -154,6 +155,17 @@ def init_dp(device: torch.device, timeout_s: float | None = None) -> DPGroup:
     _joined.append((dist.group.WORLD, list(dict.fromkeys([group, cpu_group])), ours))
     _wait_s, _store_exchanges, _joins = timeout_s, 0, _joins + 1
     return DPGroup(dist.get_rank(), dist.get_world_size(), group, cpu_group, timeout_s)
+
+
+def _as_device(device, what: str) -> torch.device:
+    """``device`` as a torch.device (a name, "cpu" or "cuda:0", is one); refused naming it
+    before any group or store work (a name once raised "'str' object has no attribute
+    'type'", and ``shutdown`` did so before leaving: its peers waited out the timeout)."""
+    try:
+        return torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{what}: device must be a torch.device or a device name ('cpu', "
+                         f"'cuda:0'), got {device!r}") from e
 
 
 def _join_world(backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
@@ -205,7 +217,7 @@ def _in_range(timeout_s) -> bool:
     return is_positive_number(timeout_s) and MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S
 
 
-def shutdown(device: torch.device) -> None:
+def shutdown(device: torch.device | str) -> None:
     """Synchronises and leaves the group (graphs must be released first: a process holding
     captured collectives may not exit on its own): the world too where ``init_dp`` made it,
     else only the groups it made in the caller's world. Every rank calls it after its last
@@ -218,6 +230,7 @@ def shutdown(device: torch.device) -> None:
     an active exception"; about 1 exit in 25 on gloo CPU ranks): leave by ``os._exit`` once
     the error is reported."""
     global _epoch, _fault, _store_exchanges
+    device = _as_device(device, "shutdown")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if not dist.is_initialized():

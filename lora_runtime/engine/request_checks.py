@@ -79,6 +79,10 @@ def check_batch_lists(prompts, adapters) -> None:
     for what, x in (("prompts", prompts), ("adapters", adapters)):
         # Paired by position: a set's order is not the caller's (adapters {None, "sql"} gave
         # the first prompt whichever the set iterated first), a mapping's items are its keys.
+        if what == "prompts" and isinstance(x, Mapping) and "input_ids" in x:
+            raise ValueError(f"prompts is a tokenizer's output ({type(x).__name__} of "
+                             f"{list(x)}): pass its token ids, one list a prompt, e.g. "
+                             "tokenizer(texts)['input_ids']")
         if isinstance(x, (AbstractSet, Mapping)):
             raise ValueError(f"{what} is a {type(x).__name__}: add_requests pairs prompts with "
                              f"adapters by position, and a {type(x).__name__}'s order is not "

@@ -37,7 +37,8 @@ def int_ids(label: str, ids) -> list[int]:
 
 def id_sequence(label: str, ids, ordered: bool = True) -> list:
     """``ids`` as a list, where it is a sequence of ids; ValueError naming ``label`` where it
-    is not one (an int, None, a string: ``list("12")`` would read characters). A 1-D tensor or
+    is not one (an int, None, text or bytes: ``list("12")`` would read characters, a
+    bytearray its bytes; a tokenizer's output: its ``input_ids`` are the ids). A 1-D tensor or
     array (a tokenizer's ``input_ids[0]``) gives its values (``list()`` of a tensor gave 0-d
     tensors, refused as 'not integers'); one of another rank (a batch) is refused. With
     ``ordered`` a set or a mapping is refused too: its order is not the ids' (a prompt
@@ -50,7 +51,16 @@ def id_sequence(label: str, ids, ordered: bool = True) -> list:
             raise ValueError(f"{label} must be one prompt's token ids (1-D), got a {ids.ndim}-D "
                              f"{type(ids).__name__} of shape {tuple(ids.shape)}: {fix}")
         return ids.tolist()
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):
+        # A bytearray or memoryview iterates as ints: its bytes were served as token ids.
+        raise ValueError(f"{label} must be a sequence of token ids, got {type(ids).__name__} "
+                         f"{ids!r:.60}: tokenize the text with the model's tokenizer and pass "
+                         f"its ids, e.g. tokenizer(text)['input_ids']")
+    if isinstance(ids, Mapping) and "input_ids" in ids:
+        raise ValueError(f"{label} must be a sequence of token ids, got a tokenizer's output "
+                         f"({type(ids).__name__} of {list(ids)}): pass its ids, e.g. "
+                         f"tokenizer(text)['input_ids']")
+    if not hasattr(ids, "__iter__"):
         raise ValueError(f"{label} must be a sequence of token ids, got {ids!r}")
     if ordered and isinstance(ids, (AbstractSet, Mapping)):
         raise ValueError(f"{label} must be an ordered sequence of token ids, got a "

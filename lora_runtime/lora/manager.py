@@ -3,6 +3,7 @@ them into GPU slots on demand, and prepares or resets the backend's batch state.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -168,10 +169,11 @@ class LoRAManager:
     # -- adapters ---------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str | Path | LoRAAdapter, *,
                      pinned: bool = False) -> None:
-        """Validates ``source`` (a PEFT folder or an adapter) and registers it. With ``pinned``
-        it also takes a slot now and is never evicted. On any error the loaded adapters are
-        unchanged; a slot write that failed leaves that slot empty (the adapter evicted for it
-        is written again when a batch next uses it)."""
+        """Validates ``source`` (a PEFT folder or an adapter) and registers it as ``name``, the
+        name its errors and the stored adapter carry (a LoRAAdapter's own ``name`` is not read,
+        nor changed). With ``pinned`` it also takes a slot now and is never evicted. On any
+        error the loaded adapters are unchanged; a slot write that failed leaves that slot
+        empty (the adapter evicted for it is written again when a batch next uses it)."""
         if not isinstance(name, str):
             # None names the base model in a request: an adapter under it took the neutral
             # slot's place in every batch with adapters.
@@ -187,7 +189,10 @@ class LoRAManager:
                                f"or Path) or a LoRAAdapter, got {type(source).__name__} (a PEFT "
                                "model or state dict: save it with save_pretrained, pass the "
                                "folder)")
-        adapter = source if isinstance(source, LoRAAdapter) else load_peft_adapter(source, name)
+        # Named as loaded, as requests name it (its own name, another one's, was in its
+        # errors); a copy, the caller's adapter left as it was.
+        adapter = (dataclasses.replace(source, name=name) if isinstance(source, LoRAAdapter)
+                   else load_peft_adapter(source, name))
         adapter.validate(self.model.config, self.config.max_rank, self.config.target_modules)
         self._check_base_layers(adapter)
         adapter = adapter.to(self.dtype)

@@ -32,6 +32,10 @@ def random_adapter(
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         # rank 0 divided by zero computing the scaling; a float rank failed inside randn
         raise ValueError(f"random_adapter({name!r}): rank must be an integer >= 1, got {rank!r}")
+    if isinstance(targets, str):  # read letter by letter: "unknown target module 'q'"
+        raise ValueError(f"random_adapter({name!r}): targets must be a sequence of module "
+                         f"names, got {targets!r}; write ({targets!r},)")
+    targets = tuple(targets)  # a generator, read by the loop, left target_modules empty
     g = torch.Generator().manual_seed(seed)
     alpha = float(2 * rank if alpha is None else alpha)
     scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
@@ -44,4 +48,4 @@ def random_adapter(
             a = torch.randn(r, k, generator=g) * a_std
             b = torch.randn(n, r, generator=g) * b_std
             modules[(layer, target)] = ModuleLoRA(a.to(dtype), b.to(dtype), scaling)
-    return LoRAAdapter(name, modules, rank, alpha, use_rslora, tuple(targets))
+    return LoRAAdapter(name, modules, rank, alpha, use_rslora, targets)
