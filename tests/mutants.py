@@ -586,6 +586,19 @@ MUTANTS = [
              "            self._acquire("),),
            ("tests/test_adapter_hunt6.py::test_the_managers_pin_leaves_the_decoding_requests_"
             "their_slots",)),
+    Mutant("scheduler_counts_overtakes_by_position",
+           "the overtake count stays with the head of the queue's position, not its request "
+           "(a request that becomes the oldest within a step is passed uncounted)",
+           "lora_runtime/engine/scheduler.py",
+           (("        if req is not self._head:\n            self._head, self._overtaken = req, 0",
+             "        if req is not self._head:\n            self._head = req"),),
+           ("tests/test_engine_hunt7.py",)),
+    Mutant("one_launch_tiles_count_groups_across_slices",
+           "the one-launch tile rule counts groups over the summed tiles, not slice by slice",
+           "kernels/config.py",
+           (("           and num_blocks * sum(cdiv(n, tiles) for n in slice_tiles) > sms):",
+             "           and num_blocks * cdiv(sum(slice_tiles), tiles) > sms):"),),
+           ("tests/test_kernel_hunt7.py::test_one_launch_tiles_count_each_slices_own_groups",)),
 ]
 
 
