@@ -27,7 +27,7 @@ import torch
 from bench import provenance, results
 from bench.args import at_least, check_out_file, positive
 from bench.results import make_row
-from bench.scenarios import DPCase
+from bench.scenarios import DP_WORKLOAD, DPCase
 from bench.timing import Timing
 from bench.token_reference import REQUESTS, judge, near_tie, token_reference
 from graphs import GraphRunner
@@ -54,9 +54,10 @@ TIMED_PASSES = 3
 """Timed passes per case (a pass is 0.3-0.5 s on the H200 and single passes swung by 15%);
 the row reports the median one."""
 LOADS = {"balanced": ("round_robin", 0.0), "skewed": ("skewed", 0.85)}
-WORKLOAD = ("requests_per_rank", "prompt", "output", "max_batch")
-"""A case's workload scales with its DP size (weak scaling): ``requests_per_rank`` times the
-size, so every size fills its ranks' batches alike and the sizes compare per rank."""
+WORKLOAD = DP_WORKLOAD
+"""A case's workload (fields of its ``DPCase``, as ``overlap`` is) scales with its DP size
+(weak scaling): ``requests_per_rank`` times the size, so every size fills its ranks' batches
+alike and the sizes compare per rank."""
 
 
 def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
@@ -116,8 +117,9 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     runner = ModelRunner(model, kv, lora)
     buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= bs]
     graphs = [GraphRunner.decode(runner, buckets, opts["prompt"] + opts["output"] + 8).capture()]
+    overlap = opts.get("overlap", OVERLAP)
     eng = DPEngine(runner, dp, SchedulerConfig(max_batch_size=bs, max_step_tokens=2048), graphs,
-                   overlap=opts.get("overlap", OVERLAP))
+                   overlap=overlap)
     for name in spec.adapter_names if adapters else []:
         eng.load_adapter(name, _adapter(config, name, r, dtype))
     warm = eng.warm_up()
@@ -160,7 +162,8 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     graphs.clear()
     eng.graphs.clear()  # captured collectives must be released before leaving the group
     case = DPCase(opts["preset"], opts["layers"], str(dtype).removeprefix("torch."), size, load,
-                  adapters, str(r) if adapters else "-")
+                  adapters, str(r) if adapters else "-", **{k: opts[k] for k in WORKLOAD},
+                  overlap=overlap)
     per_rank = [float(s) for s in all_shares]
     derived = {
         "output_tokens_per_s": int(tokens) / wall, "requests_per_s": requests / wall,

@@ -25,29 +25,32 @@ TIMEOUT_S = 120.0
 
 
 def cases(preset: str, layers: int, dtype: str, sizes, loads, adapters,
-          rank: int) -> list[DPCase]:
-    return [DPCase(preset, layers, dtype, size, load, a, str(rank) if a else "-")
+          rank: int, workload: dict | None = None) -> list[DPCase]:
+    """``workload``: requests_per_rank, prompt, output and max_batch of every case (the
+    profile's; default ``DPCase``'s)."""
+    return [DPCase(preset, layers, dtype, size, load, a, str(rank) if a else "-",
+                   **(workload or {}))
             for size in sizes for a in adapters for load in loads]
 
 
-def make_runner(todo: list[DPCase], ctx: Context, workload: dict):
-    """``workload``: requests, prompt, output and max_batch of every case (the profile's)."""
-    rows: dict[str, dict] = {}
+def make_runner(todo: list[DPCase], ctx: Context):
+    rows: dict[DPCase, dict] = {}
 
     def run(case: DPCase) -> list[dict]:
-        if case.label not in rows:
+        if case not in rows:
             group = [c for c in todo if _spawn_key(c) == _spawn_key(case)]
-            rows.update(_run_group(group, ctx, workload))
-        return [rows.pop(case.label)]
+            rows.update(_run_group(group, ctx))
+        return [rows.pop(case)]
 
     return run
 
 
 def _spawn_key(c: DPCase) -> tuple:
-    return (c.dp_size, c.preset, c.layers, c.dtype)
+    """Cases one spawn of ranks runs: one size, model and workload."""
+    return (c.dp_size, c.preset, c.layers, c.dtype, *c.workload().values())
 
 
-def _run_group(group: list[DPCase], ctx: Context, workload: dict) -> dict[str, dict]:
+def _run_group(group: list[DPCase], ctx: Context) -> dict[DPCase, dict]:
     size = group[0].dp_size
     gpus = torch.cuda.device_count()
     if ctx.device.type == "cuda" and size > gpus:
@@ -55,7 +58,7 @@ def _run_group(group: list[DPCase], ctx: Context, workload: dict) -> dict[str, d
                f"ranks on one GPU); this machine has {gpus}. Run it on a machine with {size} "
                "GPUs, or the DP pipeline on a CPU with --profile cpu (gloo)")
         return _all(group, ctx, "skipped", why)
-    opts = {"preset": group[0].preset, "layers": group[0].layers, **workload,
+    opts = {"preset": group[0].preset, "layers": group[0].layers, **group[0].workload(),
             "profile": ctx.profile, "idle_reps": ctx.reps,
             "cases": [{"adapters": c.adapters, "load": c.load,
                        "rank": int(c.ranks) if c.adapters else 0} for c in group]}
@@ -69,11 +72,11 @@ def _run_group(group: list[DPCase], ctx: Context, workload: dict) -> dict[str, d
             return _all(group, ctx, "failed", f"DP size {size} spawn failed: {tail}")
     out = _all([c for c in group if c.label not in got], ctx, "failed",
                "rank 0 returned no row for this case (its fields differ from the case's)")
-    return out | {c.label: got[c.label] for c in group if c.label in got}
+    return out | {c: got[c.label] for c in group if c.label in got}
 
 
-def _all(group: list[DPCase], ctx: Context, status: str, error: str) -> dict[str, dict]:
-    return {c.label: make_row(c, ctx.profile, {}, verification={"status": status,
+def _all(group: list[DPCase], ctx: Context, status: str, error: str) -> dict[DPCase, dict]:
+    return {c: make_row(c, ctx.profile, {}, verification={"status": status,
                                                                   "error": error})
             for c in group}
 

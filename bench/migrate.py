@@ -1,6 +1,9 @@
 """Reads result files of older schemas as the current one (in memory; the files on disk are
 rewritten only when a run upserts into them).
 
+Schema 2 DP rows of before the workload was part of a DP case's key get it
+(``_dp_workload_keyed``).
+
 Schema 1 (before the case dataclasses): flat rows with the stats at the top level, keyed by
 hand-written tuples; model rows had a ``runtime`` field and ``kind: capture`` rows; kernel
 cases were checked against fp32 (a failure stopped the run), model cases were not verified.
@@ -45,7 +48,7 @@ def to_current(data: dict) -> dict:
                               "report it with the checkout that wrote it")
     if schema == 2:
         _check_current(data)
-        return data
+        return _dp_workload_keyed(data)
     runs = {k: v | {"run_id": v.get("run_id", k)} for k, v in data.get("runs", {}).items()}
     lora_adapters = {}
     for i, r in enumerate(data["rows"]):
@@ -106,6 +109,38 @@ def _model_row(r: dict, lora_adapters: dict) -> dict:
     ver = {"status": "unverified", "error": None}
     return (_common(r, case, {"traffic": r["traffic"], "path": r["path"]}, MODEL_DERIVED, ver)
             | {"label": label})
+
+
+DP_WORKLOAD = ("requests_per_rank", "prompt", "output", "max_batch")
+
+
+def _dp_workload_keyed(data: dict) -> dict:
+    """DP rows written before their workload was part of their key get it: the workload their
+    run recorded (``derived.workload``; a skipped row, which ran nothing, takes a row's of its
+    run) and ``overlap`` as ``derived.overlap`` recorded it (absent: before 6a1e698 the DP
+    engine served serially); null where no row of the run recorded one (a key that no new row
+    matches)."""
+    def old(r):
+        return r["suite"] == "dp" and "overlap" not in r["case_key"]
+
+    of_run = {}
+    for r in filter(old, data["rows"]):
+        if _recorded_workload(r):
+            of_run.setdefault(r["run_id"], _recorded_workload(r))
+    unknown = dict.fromkeys((*DP_WORKLOAD, "overlap"))
+
+    def keyed(r):
+        w = _recorded_workload(r) or of_run.get(r["run_id"], unknown)
+        return r | w | {"case_key": sorted({*r["case_key"], *w})}
+
+    return data | {"rows": [keyed(r) if old(r) else r for r in data["rows"]]}
+
+
+def _recorded_workload(r: dict) -> dict | None:
+    w = r["derived"].get("workload")
+    if not isinstance(w, dict) or not all(_number(w.get(k)) for k in DP_WORKLOAD):
+        return None
+    return {k: w[k] for k in DP_WORKLOAD} | {"overlap": r["derived"].get("overlap") is True}
 
 
 def _check_current(data: dict) -> None:

@@ -108,12 +108,14 @@ DP_WORKLOAD = {  # requests per rank, lengths and batch limit of every DP case o
 
 
 def dp_cases(profile: str):
+    workload = DP_WORKLOAD[profile]
     if profile == "gpu":
         return dp_suite.cases("llama3-8b", 4, "bfloat16", (1, 2, 4, 8), ("balanced", "skewed"),
-                              (0, 4), 16)
+                              (0, 4), 16, workload)
     if profile == "gpu-quick":
-        return dp_suite.cases("llama3-8b", 2, "bfloat16", (1, 2), ("skewed",), (0, 4), 16)
-    return dp_suite.cases("tiny", 1, "float32", (1, 2), ("skewed",), (0, 2), 8)
+        return dp_suite.cases("llama3-8b", 2, "bfloat16", (1, 2), ("skewed",), (0, 4), 16,
+                              workload)
+    return dp_suite.cases("tiny", 1, "float32", (1, 2), ("skewed",), (0, 2), 8, workload)
 
 
 def base_step_cases(profile: str):

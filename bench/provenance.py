@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -73,5 +74,12 @@ def collect(device: torch.device, command: list[str] | None = None) -> dict:
         "host": platform.node(),
         "command": " ".join(shlex.quote(a) for a in command),
         "timestamp": now.isoformat(timespec="seconds"),
-        "run_id": f"{now:%Y%m%d-%H%M%S}-{_sha()[:10]}",
+        "run_id": run_id(now),
     }
+
+
+def run_id(now: datetime.datetime) -> str:
+    """``<UTC time to the microsecond>-<sha>-<random>``: ids of runs started in one second
+    still sort by start time (the latest run wins, ``results.latest_per_case``), and two runs
+    of one clock tick differ. Ids of before had ``<YYYYmmdd-HHMMSS>-<sha>``."""
+    return f"{now:%Y%m%d-%H%M%S.%f}-{_sha()[:10]}-{secrets.token_hex(3)}"

@@ -89,12 +89,13 @@ def kernel_x_floor(rows) -> list[go.Figure]:
 
 def _model_cells(rows, field=None):
     """Model-suite medians (or ``derived[field]``) keyed by (base, bs, adapters, ranks,
-    traffic, path); ``base`` names the step too (a decode and a prefill of equal context and
-    batch size are different cases)."""
+    traffic, path); ``base`` names the step and backend too (a decode and a prefill of equal
+    context and batch size are different cases, and so are triton and torch rows)."""
     cell = {}
     for r in rows:
         if r["suite"] == "model" and r.get("stats"):
-            base = (r["preset"], r["layers"], r["context"], r["dtype"], r["step"])
+            base = (r["preset"], r["layers"], r["context"], r["dtype"], r["step"],
+                    r.get("backend"))
             cell[(base, r["batch_size"], r["adapters"], r["ranks"], r["traffic"],
                   r["path"])] = _med(r) if field is None else r["derived"].get(field)
     return cell
@@ -102,14 +103,15 @@ def _model_cells(rows, field=None):
 
 def _model_namer(cell):
     """Names of the model cells' set-ups: preset and layers, the step where not decode, and
-    the context and dtype where the rows differ in them."""
+    the context, dtype and backend where the rows differ in them."""
     bases = {k[0] for k in cell}
-    ctx, dt = (len({b[i] for b in bases}) > 1 for i in (2, 3))
+    ctx, dt, be = (len({b[i] for b in bases}) > 1 for i in (2, 3, 5))
 
     def name(base) -> str:
-        preset, layers, context, dtype, step = base
+        preset, layers, context, dtype, step, backend = base
         return (f"{preset} L={layers}" + (f" ctx={context}" if ctx else "")
-                + (f" {dtype}" if dt else "") + ("" if step == "decode" else f" {step}"))
+                + (f" {dtype}" if dt else "") + (f" {backend}" if be else "")
+                + ("" if step == "decode" else f" {step}"))
     return name
 
 
@@ -196,7 +198,8 @@ def dp(rows) -> list[go.Figure]:
     if not d:
         return []
     series, idle_share, idle_us = defaultdict(list), defaultdict(list), defaultdict(list)
-    setup = _setup(d, ("preset", "layers", "dtype"))
+    setup = _setup(d, ("preset", "layers", "dtype", "requests_per_rank", "prompt", "output",
+                       "max_batch", "overlap"))
     for r in d:
         lora = (f"adapters={r['adapters']} r={r['ranks']}" if r["adapters"] else "no LoRA"
                 ) + setup(r)

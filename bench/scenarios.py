@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from bench.case import Case
 
+DP_WORKLOAD = ("requests_per_rank", "prompt", "output", "max_batch")
+
 
 @dataclass(frozen=True)
 class ThroughputCase(Case):
@@ -96,6 +98,18 @@ class DPCase(Case):
     adapters: int
     """0: no LoRA."""
     ranks: str
+    requests_per_rank: int = 64
+    """The workload (the gpu profile's by default): requests per rank (a case of size N serves
+    N times this), prompt and output lengths, the engine's batch limit, and whether it
+    overlapped its steps (``dp_bench --serial``: False)."""
+    prompt: int = 128
+    output: int = 64
+    max_batch: int = 32
+    overlap: bool = True
+
+    def workload(self) -> dict:
+        """The fields ``bench.dp_bench`` serves a case with (its ``opts``)."""
+        return {k: getattr(self, k) for k in (*DP_WORKLOAD, "overlap")}
 
     @property
     def label(self) -> str:

@@ -57,8 +57,7 @@ SUITES = {
                   idle_bench.make_runner, idle_bench.table),
     "dp": Suite("dp", "data-parallel attention: DP sizes, balanced and skewed load, with and "
                 "without LoRA: tokens/s, idle share per rank, idle forward cost",
-                profiles.dp_cases, lambda todo, ctx: dp_suite.make_runner(
-                    todo, ctx, profiles.DP_WORKLOAD[ctx.profile]), dp_suite.table),
+                profiles.dp_cases, dp_suite.make_runner, dp_suite.table),
     "base_step": Suite("base_step", "the base model's decode step (graph replay, no LoRA) by "
                        "batch size and context vs its bytes and roofline floors",
                        profiles.base_step_cases, base_step_suite.make_runner,

@@ -82,11 +82,12 @@ def model_table(rows: list[dict]) -> str:
 
 def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """One line per LoRA runtime and batch size, next to the runtime without LoRA of the same
-    model and batch size (microseconds)."""
+    model, backend and batch size (microseconds)."""
     ok = [r for r in rows if r.get("stats")]
     cell, eager_ratio, floor, derived = {}, {}, {}, {}
     for r in ok:
-        base = (r["step"], r["preset"], r["layers"], r["context"], r["batch_size"], r["dtype"])
+        base = (r["step"], r["preset"], r["layers"], r["context"], r["batch_size"], r["dtype"],
+                r.get("backend"))
         cell[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = _med(r)
         derived[(base, r["adapters"], r["ranks"], r["traffic"], r["path"])] = r.get("derived", {})
         if r["traffic"] == "lora" and r["path"] == "replay_only":
@@ -95,7 +96,8 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         if ratio is not None:
             eager_ratio[(base, r["adapters"], r["ranks"])] = ratio
     out, bases = [], {k[0] for k in cell}
-    ctx_varies, dtype_varies = (len({b[i] for b in bases}) > 1 for i in (3, 5))
+    ctx_varies, dtype_varies, backend_varies = (len({b[i] for b in bases}) > 1
+                                                for i in (3, 5, 6))
     lora_lines = dict.fromkeys(k[:3] for k in cell if k[1] and k[3] == "lora" and k[4] == "graph")
     with_lora = {line[0] for line in lora_lines}
     # A runtime without LoRA whose model and batch size have no LoRA line (a selection of
@@ -103,7 +105,7 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     lines = [*lora_lines,
              *dict.fromkeys((k[0], 0, "") for k in cell if not k[1] and k[0] not in with_lora)]
     for (base, adapters, ranks) in lines:
-        step, preset, layers, context, bs, dtype = base
+        step, preset, layers, context, bs, dtype, backend = base
 
         def nl(p, base=base):
             return cell.get((base, 0, "", "base", p))
@@ -124,6 +126,7 @@ def model_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 if lo("lora", "eager") and lo("lora", "graph") else None)
         model = (f"{preset} ({layers} layers" + (f", ctx {context}" if ctx_varies else "")
                  + (f", {dtype}" if dtype_varies else "")
+                 + (f", {backend}" if backend_varies else "")
                  + f"{'' if step == 'decode' else ', ' + step})")
         out.append([model, str(bs), str(adapters), ranks or "-",
                     fmt(nl("eager"), ".0f"), fmt(nl("graph"), ".0f"),

@@ -94,7 +94,7 @@ def test_a_dp_size_above_the_gpus_present_is_skipped_with_the_reason(monkeypatch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     gpu = Context(torch.device("cuda"), CTX.ceilings, reps=2, profile="gpu")
     cases = dp_suite.cases("llama3-8b", 4, "bfloat16", (2,), ("skewed",), (0, 4), 16)
-    run = dp_suite.make_runner(cases, gpu, {})
+    run = dp_suite.make_runner(cases, gpu)
     for case in cases:
         [row] = run(case)
         assert row["verification"]["status"] == "skipped" and row["stats"] is None
@@ -107,7 +107,7 @@ def test_a_failed_dp_spawn_fails_its_cases(monkeypatch):
 
     monkeypatch.setattr(dp_suite, "spawn", dead_rank)
     cases = dp_suite.cases("tiny", 1, "float32", (2,), ("skewed",), (0, 2), 8)
-    run = dp_suite.make_runner(cases, CTX, {})
+    run = dp_suite.make_runner(cases, CTX)
     rows = [r for c in cases for r in run(c)]
     assert [r["verification"]["status"] for r in rows] == ["failed", "failed"]
     assert all("rank 1 exited" in r["verification"]["error"] for r in rows)
