@@ -11,6 +11,8 @@ cases were checked against fp32 (a failure stopped the run), model cases were no
 
 from __future__ import annotations
 
+from bench.scenarios import DP_WORKLOAD
+
 STATS = ("median_us", "p20_us", "p80_us")
 KERNEL_DERIVED = ("regime", "copies", "floor_bytes", "floor_flops", "floor_us", "x_floor",
                   "achieved_gbps", "base_us", "pct_of_base")
@@ -109,9 +111,6 @@ def _model_row(r: dict, lora_adapters: dict) -> dict:
     ver = {"status": "unverified", "error": None}
     return (_common(r, case, {"traffic": r["traffic"], "path": r["path"]}, MODEL_DERIVED, ver)
             | {"label": label})
-
-
-DP_WORKLOAD = ("requests_per_rank", "prompt", "output", "max_batch")
 
 
 def _dp_workload_keyed(data: dict) -> dict:
