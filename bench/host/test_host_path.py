@@ -112,3 +112,20 @@ def test_graph_step_host(benchmark, world: HostWorld, bs: int) -> None:
                         "static")
     checks.check_input_buffers(world.input_buffers, batch, bs)
     assert world.replayed_lora_graph(bs), "the step did not take the LoRA graph of its bucket"
+
+
+@pytest.mark.parametrize("waiting", [1_000, 10_000])
+def test_admission_under_a_full_kv_cache(benchmark, waiting: int) -> None:
+    """A scheduler step's admission with a long queue and no KV room (an offline batch of
+    long requests): the scan over the waiting requests, none of which fits."""
+    from lora_runtime.engine.requests import Request
+    from lora_runtime.engine.scheduler import Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(max_batch_size=64), kv_capacity=16 * 6007, num_slots=8)
+    s.running = [Request([1] * 8, adapter=f"a{i % 8}", max_new_tokens=6000) for i in range(16)]
+    s.waiting.extend(Request([1] * 300, adapter=f"a{i % 8}", max_new_tokens=512)
+                     for i in range(waiting))
+    benchmark.extra_info.update(waiting=waiting)
+    step = benchmark.pedantic(s.schedule, rounds=50, warmup_rounds=1)
+    assert len(s.running) == 16 and len(s.waiting) == waiting, "a request was admitted"
+    assert step is not None and len(step.requests) == 16

