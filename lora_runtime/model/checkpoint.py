@@ -16,6 +16,9 @@ from lora_runtime.model.modules import TARGETS
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _FUSED = {t.name: (f"{t.block}.{t.module}", t.slice) for t in TARGETS if t.name != t.module}
+_FUSED_NAMES = {fused.split(".")[1] for fused, _ in _FUSED.values()}
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
+_SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class CheckpointError(ValueError):
@@ -23,10 +26,11 @@ class CheckpointError(ValueError):
 
 
 def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        # A string ("bfloat16", as transformers takes) was read as a device by Module.to.
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got "
-                        f"{dtype!r}")
+    if dtype not in _SERVED_DTYPES:
+        # A string ("bfloat16", as transformers takes) was read as a device by Module.to;
+        # float8 failed in the range check or at the first forward (no float8 kernels).
+        raise TypeError(f"dtype must be a floating torch.dtype the model computes in "
+                        f"({', '.join(map(str, _SERVED_DTYPES))}), got {dtype!r}")
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -38,6 +42,7 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
     config = LlamaConfig.from_hf(raw)
     model = LlamaForCausalLM.empty(config, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _hf_names(config)
     filled: dict[str, str] = {}  # tensor name -> the file that held it
     tied_head = None
     for file in _weight_files(path):
@@ -52,10 +57,10 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                     # Shares the embedding's tensor: a copy would overwrite the embedding.
                     tied_head, filled[key] = f.get_tensor(key), file.name
                     continue
+                if key not in expected:  # this runtime's fused names included
+                    raise CheckpointError(f"{file.name}: unexpected tensor {key!r} "
+                                          f"({_why_unexpected(key, config)})")
                 target, rows = _destination(key, config)
-                if target not in params:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {key!r} (not part of "
-                                          "a Llama model)")
                 dest = params[target].data if rows is None else params[target].data[rows]
                 t = f.get_tensor(key)
                 if not t.is_floating_point():  # a cast would serve its integers as weights
@@ -119,9 +124,8 @@ def _open(file: Path):
 
 
 def _destination(key: str, config: LlamaConfig) -> tuple[str, slice | None]:
-    m = re.match(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$", key)
-    # Only under its own block: "self_attn.gate_proj" was written into gate_up's gate rows.
-    if m and m.group(3) in _FUSED and _FUSED[m.group(3)][0].startswith(m.group(2) + "."):
+    m = _LAYER_KEY.match(key)
+    if m and m.group(3) in _FUSED:  # a Hugging Face name (checked), so under its own block
         fused, s = _FUSED[m.group(3)]
         bounds = config.module_shape(fused.split(".")[1]).slice_widths
         lo = sum(bounds[:s])
@@ -129,15 +133,34 @@ def _destination(key: str, config: LlamaConfig) -> tuple[str, slice | None]:
     return key, None
 
 
-def _check_complete(filled: set[str], config: LlamaConfig) -> None:
-    want = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        want.add("lm_head.weight")
+def _hf_names(config: LlamaConfig) -> set[str]:
+    """The tensors of a Hugging Face checkpoint of ``config``'s model (lm_head's even where
+    it is tied: such a checkpoint may hold it)."""
+    want = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
         want |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"}
         want |= {f"{p}.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
         want |= {f"{p}.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    return want
+
+
+def _why_unexpected(key: str, config: LlamaConfig) -> str:
+    m = _LAYER_KEY.match(key)
+    if m and m.group(3) in _FUSED_NAMES:
+        parts = [n for n, (fused, _) in _FUSED.items() if fused.endswith(f".{m.group(3)}")]
+        return (f"this runtime's fused name, not a Hugging Face one: a checkpoint holds "
+                f"{', '.join(parts)} apart")
+    if m and int(m.group(1)) >= config.num_layers:
+        return (f"layer {m.group(1)}; config.json's num_hidden_layers is {config.num_layers}: "
+                "set it to the checkpoint's layer count")
+    return "not part of a Llama model"
+
+
+def _check_complete(filled: set[str], config: LlamaConfig) -> None:
+    want = _hf_names(config)
+    if config.tie_word_embeddings:
+        want.discard("lm_head.weight")
     missing = sorted(want - filled)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
