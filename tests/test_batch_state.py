@@ -152,3 +152,16 @@ def test_a_repeated_batch_reuses_its_plan_until_a_slot_changes():
     assert "a" in lora.pool.slot_of
     assert fresh.rows_spec.request_slots == (lora.pool.slot_of["a"], lora.neutral_slot)
     release(reqs + more, runner.kv)
+
+
+def test_an_idle_batch_built_before_a_lora_step_runs_no_lora_after_it(runner, monkeypatch):
+    """Contract 3 holds for the forward, not only for building the batch: an idle batch kept
+    and forwarded after a LoRA step must not read that step's metadata (it raised on it)."""
+    idle = ForwardBatch.idle(runner.lora, DEVICE)
+    runner.forward_eager(_lora_batch(runner))
+    assert runner.lora.backend.batch_info is not None
+    for name in ("linear", "run_embedding", "shrink", "expand"):
+        monkeypatch.setattr(runner.lora.backend, name, _forbidden)
+    logits = runner.forward_eager(idle)
+    assert logits.shape == (0, CFG.vocab_size)
+    assert runner.lora.backend.batch_info is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, check_gathered
+from lora_runtime.engine.forward_batch import ForwardBatch, check_gathered
 from lora_runtime.engine.kv_cache import KVCache
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.llama import LlamaForCausalLM
@@ -24,8 +24,9 @@ class ModelRunner:
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (the model's dtype) of ``batch.logits_rows``."""
         check_gathered(batch, self.dp)  # before any LoRA state or collective
-        if self.lora is not None and (batch.mode is not ForwardMode.IDLE
-                                      or batch.gathered is not None):
+        if self.lora is not None:
+            # An idle batch resets the LoRA state here too: one built before a LoRA step and
+            # forwarded after it found that step's metadata (contract 3).
             self.lora.prepare_lora_batch(batch)
         return self.model(batch, self.kv)
 
