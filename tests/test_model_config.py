@@ -27,6 +27,7 @@ HF = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type"
     ({"architectures": ["Qwen2ForCausalLM"]}, "not a Llama checkpoint"),
     ({"model_type": "llama", "architectures": ["MistralForCausalLM"]}, "not a Llama"),
     ({"model_type": "llama", "sliding_window": 16}, "sliding_window=16"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
     ({"rope_theta": 0}, "rope_theta must be a positive"),
     ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive"),
@@ -58,6 +59,8 @@ def test_explicit_nulls_take_the_defaults():
     assert (cfg.head_dim, cfg.num_kv_heads) == (HF["hidden_size"] // HF["num_attention_heads"],
                                                 HF["num_attention_heads"])
     assert LlamaConfig.from_hf(HF).num_kv_heads == 1  # no model_type, no architectures: fine
+    for act in (None, "silu", "swish"):  # transformers' ACT2FN maps swish to SiLU too
+        assert LlamaConfig.from_hf(HF | {"hidden_act": act}) == LlamaConfig.from_hf(HF)
     v5 = HF | {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
     assert LlamaConfig.from_hf(v5).rope_theta == 5e5
 

@@ -109,8 +109,9 @@ class LlamaConfig:
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 raise ValueError(f"{key}=true is not supported (Llama checkpoints have no biases)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; Llama uses silu")
+        if cfg.get("hidden_act") not in (None, "silu", "swish"):  # swish is transformers' silu
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; Llama's MLP "
+                             "computes silu (also named swish)")
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"]
             method = method.get("quant_method") if isinstance(method, dict) else method
