@@ -11,7 +11,7 @@ cases were checked against fp32 (a failure stopped the run), model cases were no
 
 from __future__ import annotations
 
-from bench.scenarios import DP_WORKLOAD
+from bench.scenarios import DP_WORKLOAD, dp_workload_suffix
 
 STATS = ("median_us", "p20_us", "p80_us")
 KERNEL_DERIVED = ("regime", "copies", "floor_bytes", "floor_flops", "floor_us", "x_floor",
@@ -130,7 +130,8 @@ def _dp_workload_keyed(data: dict) -> dict:
 
     def keyed(r):
         w = _recorded_workload(r) or of_run.get(r["run_id"], unknown)
-        return r | w | {"case_key": sorted({*r["case_key"], *w})}
+        label = r["label"] + dp_workload_suffix({k: v for k, v in w.items() if v is not None})
+        return r | w | {"case_key": sorted({*r["case_key"], *w}), "label": label}
 
     return data | {"rows": [keyed(r) if old(r) else r for r in data["rows"]]}
 

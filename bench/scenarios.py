@@ -31,6 +31,7 @@ dp (``DPCase``; variant ``{}``; ``timing``: step times of rank 0)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from bench.case import Case
@@ -114,4 +115,19 @@ class DPCase(Case):
     @property
     def label(self) -> str:
         lora = f"adapters={self.adapters} r={self.ranks}" if self.adapters else "no-lora"
-        return f"dp size={self.dp_size} {self.load} {self.preset} L={self.layers} {lora}"
+        return (f"dp size={self.dp_size} {self.load} {self.preset} L={self.layers} {lora}"
+                + self.workload_suffix())
+
+    def workload_suffix(self) -> str:
+        return dp_workload_suffix(self.workload())
+
+
+def dp_workload_suffix(workload: dict) -> str:
+    """A DP label's tail: the workload fields that differ from the gpu profile's (``DPCase``'s
+    defaults), so rows of two workloads in one results file never read alike; the default's
+    labels are unchanged."""
+    default = {f.name: f.default for f in dataclasses.fields(DPCase)}
+    short = {"requests_per_rank": "req/rank", "prompt": "prompt", "output": "out",
+             "max_batch": "batch"}
+    return "".join(f" {short[k]}={v}" if k in short else (" serial" if v is False else "")
+                   for k, v in workload.items() if k in default and v != default[k])

@@ -6,6 +6,7 @@ torch rows of one device merged."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import shutil
@@ -34,6 +35,7 @@ def test_a_dp_bench_run_of_another_workload_keeps_the_first_workload_s_rows(tmp_
     assert dp_bench.main(DP + ["--prompt", "4", "--serial", "--out", str(out)]) == 0
     got = results.load(out)["rows"]
     assert sorted((r["prompt"], r["overlap"]) for r in got) == [(3, True), (4, False)]
+    assert len({r["label"] for r in got}) == 2, "two workloads' rows must not read alike"
     assert all({"requests_per_rank", "prompt", "output", "max_batch", "overlap"}
                <= set(r["case_key"]) for r in got)
 
@@ -53,6 +55,7 @@ def test_the_committed_dp_rows_read_with_the_workload_they_ran():
         assert (r["requests_per_rank"], r["prompt"], r["output"], r["max_batch"],
                 r["overlap"]) == (64, 128, 64, 32, False), r["label"]
         assert {"prompt", "overlap"} <= set(r["case_key"])
+        assert r["label"].endswith(" serial"), r["label"]  # an overlapped run's reads apart
     rows_, runs = results.rows_of([COMMITTED_DP])
     assert "DP scaling" in report.build(rows_, runs)
 
@@ -133,3 +136,11 @@ def test_the_report_builds_with_rows_of_both_backends():
     model = [r for r in rows() if r["suite"] == "model"]
     page = report.build(model + [_torch_backend(r, 2.0) for r in model], {RUN["run_id"]: RUN})
     assert "torch" in page and json.dumps("triton")[1:-1] in page
+
+
+def test_a_dp_label_names_the_workload_where_it_is_not_the_gpu_profile_s():
+    gpu, cpu = profiles.dp_cases("gpu")[0], profiles.dp_cases("cpu")[0]
+    assert gpu.label == "dp size=1 balanced llama3-8b L=4 no-lora"
+    assert cpu.label.endswith(" req/rank=2 prompt=6 out=3 batch=2"), cpu.label
+    serial = dataclasses.replace(gpu, overlap=False, output=8)
+    assert serial.label == gpu.label + " out=8 serial"

@@ -84,8 +84,9 @@ def test_a_dp_case_under_the_torch_profiler_says_its_ranks_are_not_recorded(
         tmp_path, monkeypatch, capsys):
     """A DP case runs in spawned ranks: its range's table was a bare heading, unexplained."""
     from bench import profile as bench_profile
+    from bench.profiles import dp_cases
 
-    label = "dp size=2 skewed tiny L=1 no-lora"
+    label = next(c.label for c in dp_cases("cpu") if c.dp_size == 2)
 
     def case_in_ranks(argv):  # the parent's range, its work done in other processes
         with torch.profiler.record_function(label):

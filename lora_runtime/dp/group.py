@@ -238,9 +238,9 @@ def shutdown(device: torch.device | str) -> None:
     fault, timeout_s, epoch = _fault, _wait_s, _epoch
     _epoch += 1  # every DPGroup is closed from here on, whatever happens below
     _fault, _store_exchanges = None, 0
-    if dist.get_backend() != "gloo":
-        _leave()
-        return
+    # Every backend waits through the store: an NCCL rank that destroyed its communicator
+    # at once left a peer still stepping held in its next collective until NCCL's timeout,
+    # with no error naming the rank that had left.
     # Hazard: a rank that tears its gloo pairs down while a peer still completes the last
     # collective aborts that peer ("terminate called without an active exception", SIGABRT;
     # seen in CI and in a bench run on 2 cores, once with a barrier before the teardown: the
