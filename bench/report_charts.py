@@ -240,9 +240,9 @@ def base_step(rows) -> list[go.Figure]:
              and _num(r["derived"].get("pct_of_roofline"))]
     if not steps:
         return []
-    series = defaultdict(list)
+    series, setup = defaultdict(list), _setup(steps, ("preset", "dtype"))
     for r in steps:
-        series[f"L={r['layers']} ctx={r['context']} {r['kernels']}"].append(
+        series[f"L={r['layers']} ctx={r['context']} {r['kernels']}{setup(r)}"].append(
             (r["batch_size"], r["derived"]["pct_of_roofline"]))
     return [_lines(_fig("Base decode step: % of its roofline floor", "batch size",
                         "% of floor", log_x=True), dict(sorted(series.items())))]

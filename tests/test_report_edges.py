@@ -235,3 +235,17 @@ def test_a_base_step_row_without_its_roofline_figure_is_left_out_of_its_chart():
     steps[0] = steps[0] | {"derived": {}}
     [fig] = report_charts.base_step(steps)
     assert [len(t.x) for t in fig.data] == [1]
+
+
+def test_base_step_lines_of_two_presets_or_dtypes_are_drawn_apart():
+    """Rows of another preset or dtype with the same layers, context and kernels shared a
+    line (its points zig-zagging between two models)."""
+    steps = [r for r in rows() if r["suite"] == "base_step"
+             and isinstance(r["derived"].get("pct_of_roofline"), (int, float))]
+    other = [r | {"preset": "other", "dtype": "float16"} for r in steps]
+    lines = {t.name: len(t.x) for t in report_charts.base_step(steps + other)[0].data}
+    alone = {t.name: len(t.x) for t in report_charts.base_step(steps)[0].data}
+    assert len(lines) == 2 * len(alone) and sorted(lines.values()) == sorted(
+        list(alone.values()) * 2)
+    assert all("preset=" in name and "dtype=" in name for name in lines)
+    assert not any("preset=" in name for name in alone)
