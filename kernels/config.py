@@ -256,6 +256,11 @@ stream), 16 x 128 / 64 x 64 / 32 x 128: 256 tokens 62.3 / 59.3 / 57.5 us, 1024 t
 8 warps lost at 256 tokens."""
 
 
+PENDING_SILU_TILES = _int_env("MULTILORA_PENDING_SILU_TILES", "1")
+"""Column tiles a by-blocks SwiGLU program adds a pending term to (its rows, slots and ``a``
+loaded once for them). Read at import; A/B runs."""
+
+
 def wide_blocks(rows: int, layout_block_m: int) -> bool:
     """Extend layouts only (blocks of 64 rows: long segments), where it was measured. Decode
     rows of many adapters put several slots in a wide block, whose slot loop then runs

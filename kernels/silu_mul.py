@@ -199,7 +199,7 @@ def _silu_mul_lora_op(
         blocks, tiles = config.cdiv(rows, block_m), config.cdiv(inter, block_n)
         # A program that computes its block's shrink serves more columns with it.
         per_program = config.cdiv(tiles, config.block_shrink_groups(blocks, tiles)) if (
-            SHRINK) else 1
+            SHRINK) else max(1, min(config.PENDING_SILU_TILES, tiles))
         launch(_silu_mul_lora_kernel, (blocks, config.cdiv(tiles, per_program)),
             gate_up, out, rows, src, b, perm, slots, ranks, scalings, la, inter,
             gate_up.stride(0), out.stride(0), max_rank, sentinel, s_sm, s_sr, s_bs, s_bn,

@@ -167,6 +167,7 @@ def test_fused_silu_mul_matches_expand_then_activation(monkeypatch, epilogue, dt
     _force_epilogue(monkeypatch, epilogue)
     monkeypatch.setattr(config, "ROW_SHRINK_PROGRAMS", data.draw(st.sampled_from([0, 10**9])))
     monkeypatch.setattr(config, "BLOCK_SHRINK_PROGRAMS", data.draw(st.sampled_from([1, 10**9])))
+    monkeypatch.setattr(config, "PENDING_SILU_TILES", data.draw(st.sampled_from([1, 3])))
     g = torch.Generator().manual_seed(seed)
     inter = data.draw(st.sampled_from([16, 40, 136] + ([1000] if ON_GPU else [])))
     x, w, layout, token_slots, lora = _draw_problem(data, g, lambda d: [inter, inter], dtype,
