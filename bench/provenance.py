@@ -44,6 +44,9 @@ def _sha() -> str:
 def _dirty() -> bool | None:
     if not (ROOT / ".git").exists():
         return None  # a copy without .git: unknown
+    passed = os.environ.get("MULTILORA_GIT_SHA")
+    if passed and not (_git("rev-parse", "--verify", "HEAD") or "").startswith(passed):
+        return None  # a copy's stale .git: git would compare the tree with another commit
     status = _git("status", "--porcelain", "--untracked-files=no")
     return None if status is None else bool(status)  # git failed: unknown, not clean
 

@@ -192,16 +192,28 @@ def per_device(rows: list[dict], section) -> str:
                    for d in devices)
 
 
+FROM_DERIVED = ("throughput", "dp")
+"""Suites whose tables and charts draw a row's derived figures without its timing (tokens/s);
+the others' draw its ``stats``."""
+
+
 def _none_timed(rows: list[dict], suite: str) -> str | None:
     """Where ``rows`` hold cases of ``suite`` but none with figures that passed: says so (a
-    placeholder saying there are no rows misled where every case had failed)."""
+    placeholder saying there are no rows misled where every case had failed, or held no
+    timing: rows of schema 1 without a median)."""
     mine = [r for r in rows if r["suite"] == suite]
-    if not mine or any(r["verification"]["status"] not in ("failed", "skipped")
-                       and (r.get("stats") or r.get("derived")) for r in mine):
+
+    def drawn(r):
+        return r.get("stats") or (suite in FROM_DERIVED and r.get("derived"))
+
+    if not mine or any(r["verification"]["status"] not in ("failed", "skipped") and drawn(r)
+                       for r in mine):
         return None
     n = len({results.case_id(r) for r in mine})
-    why = ("see Failed cases" if any(r["verification"]["status"] == "failed" for r in mine)
-           else "every one was skipped (see Verification)")
+    status = {r["verification"]["status"] for r in mine}
+    why = ("see Failed cases" if "failed" in status else
+           "every one was skipped (see Verification)" if status == {"skipped"} else
+           "their rows hold no timing")
     noun = "kernel" if suite == "kernels" else suite
     return f"None of the {n} {noun} cases was timed and verified: {why}."
 

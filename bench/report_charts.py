@@ -253,10 +253,10 @@ def attention(rows) -> list[go.Figure]:
            and not r.get("tiles") and _num(r["derived"].get("x_floor"))]
     if not att:
         return []
-    series = defaultdict(list)
+    series, setup = defaultdict(list), _setup(att, ("dtype", "heads", "kv_heads", "head_dim"))
     for r in att:
         prefix = f" prefix={r['prefix']}" if r.get("prefix") else ""
-        series[f"{r['regime']} len={r['length']}{prefix} {r['provider']}"].append(
+        series[f"{r['regime']} len={r['length']}{prefix} {r['provider']}{setup(r)}"].append(
             (r["requests"], r["derived"]["x_floor"]))
     return [_lines(_fig("Attention over the KV cache: time over its floor", "requests",
                         "x floor", log_x=True, log_y=True), dict(sorted(series.items())))]
