@@ -121,26 +121,35 @@ def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
     base = {(r.get("device"), results.row_id(r)): r for r in base_rows if _timed(r)}
     # A case of two devices is two lines and two bars: their names must differ.
     several = len({r.get("device") for r in rows}) > 1
-    pairs, cells = [], []
+    pairs, cells, broken = [], [], 0
     for r in rows:
         b = base.get((r.get("device"), results.row_id(r)))
-        if b is None or not _timed(r):
+        if b is None:
             continue
-        ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
         variant = " ".join(str(r.get(k)) for k in r["variant"])
         name = f"{r['label']} [{variant}]" + (
             f" on {r.get('device') or 'unknown device'}" if several else "")
+        if not _timed(r):
+            if r["verification"]["status"] == "failed":  # timed before, failing now
+                broken += 1
+                cells.append([name, table.fmt(b["stats"]["median_us"]), "failed", "-",
+                              Markup('<span class="bad">FAILS NOW</span>')])
+            continue
+        ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
         pairs.append((name, ratio))
         flag = ("REGRESSION" if ratio > REGRESSION else
                 "faster" if ratio < 1 / REGRESSION else "")
         cells.append([name, table.fmt(b["stats"]["median_us"]),
                       table.fmt(r["stats"]["median_us"]), f"{ratio:.3f}",
                       Markup(f'<span class="{"bad" if ratio > REGRESSION else ""}">{flag}</span>')])
-    cells.sort(key=lambda c: -float(c[3]))
+    cells.sort(key=lambda c: -float(c[3]) if c[3] != "-" else -math.inf)
     regressions = sum(1 for _, v in pairs if v > REGRESSION)
     head = (f"<p>{len(pairs)} rows in both runs; <b>{regressions}</b> more than "
             f"{100 * (REGRESSION - 1):.0f}% slower than the baseline.</p>")
-    if not pairs:
+    if broken:
+        head += (f'<p class="bad"><b>{broken}</b> rows timed in the baseline fail now (see '
+                 "Failed cases).</p>")
+    if not pairs and not broken:
         mine = sorted({str(r.get("device")) for r in rows})
         theirs = sorted({str(r.get("device")) for r in base_rows})
         why = (f"the baseline's devices ({', '.join(theirs) or 'none'}) are not this run's "

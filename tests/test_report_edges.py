@@ -249,3 +249,16 @@ def test_base_step_lines_of_two_presets_or_dtypes_are_drawn_apart():
         list(alone.values()) * 2)
     assert all("preset=" in name and "dtype=" in name for name in lines)
     assert not any("preset=" in name for name in alone)
+
+
+def test_a_case_timed_in_the_baseline_that_fails_now_is_flagged():
+    """It was left out of the comparison: "0 regressions", the failure only under
+    Verification."""
+    base = [r | {"device": "g"} for r in rows() if r.get("stats")]
+    now = list(base)
+    now[0] = now[0] | {"stats": None, "verification": {"status": "failed", "error": "boom"}}
+    text, pairs = report.deltas(now, base)
+    assert len(pairs) == len(base) - 1
+    assert "<b>1</b> rows timed in the baseline fail now" in text and "FAILS NOW" in text
+    text, pairs = report.deltas(now[:1], base)
+    assert pairs == [] and "Nothing compared" not in text and "FAILS NOW" in text
