@@ -49,6 +49,7 @@ class DPEngine(Engine):
         variant it runs (one more small host all-gather): a divergence raises instead of
         hanging a collective. ``overlap``: as ``Engine``'s; each rank launches its next step
         ahead where its own requests allow."""
+        _check_arguments(dp, verify)
         _check_group(dp, "DPEngine")  # before its set-up check's collective
         lora = getattr(runner, "lora", None)
         hooks = None if lora is None else (lora.evict_last, lora.requested)
@@ -277,12 +278,15 @@ class DPEngine(Engine):
         self._idle_with_work = self._idle_with_work + 1 if ag.has_work else 0
         if self._idle_with_work <= 2 * self.dp.size:
             return
+        idle, self._idle_with_work = self._idle_with_work, 0
+        # Counted afresh from here (on every rank alike): after the fix (an unpin) the freed
+        # slot may reach the waiting rank only at its turn, and the error came back at once.
         waiting = [r for r, step in enumerate(ag.ranks) if step.has_work]
         reason = (self._stuck_reason(self.scheduler.waiting[0]) if self.scheduler.waiting
-                  else "its own requests run; see the error of the ranks that wait")
-        raise RuntimeError(f"{self.dp.name}: no rank ran a request for {self._idle_with_work} "
-                           f"steps while ranks {waiting} have requests waiting. Rank "
-                           f"{self.dp.rank}: {reason}")
+                  else "no request waiting; see the error of the ranks that wait")
+        raise RuntimeError(f"{self.dp.name}: no rank ran a request for {idle} steps while "
+                           f"ranks {waiting} have requests waiting. Rank {self.dp.rank}: "
+                           f"{reason}")
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphReplayer | None]:
         """The agreed forward of the step being launched (``_launch_agreed``)."""
@@ -369,6 +373,18 @@ class DPEngine(Engine):
             quota = free if first == self.dp.rank else 0
         self.scheduler.admit_adapters = not starved[first] or first == self.dp.rank
         self.scheduler.adapter_quota = (known, quota)
+
+
+def _check_arguments(dp, verify) -> None:
+    """Refuses, naming them, a ``dp`` that is no DPGroup (``DPEngine(runner, config)``, as an
+    ``Engine`` is built, raised "'SchedulerConfig' object has no attribute 'check_open'") and
+    a ``verify`` that is no bool (the set-up check compared int(verify): "no" raised "invalid
+    literal for int()", and 0.5 passed as False there while this rank confirmed every step)."""
+    if not isinstance(dp, DPGroup):
+        raise TypeError(f"DPEngine(runner, dp, config, graphs): dp must be this rank's DPGroup "
+                        f"(lora_runtime.dp.group.init_dp), got {type(dp).__name__} {dp!r:.80}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"DPEngine: verify must be True or False, got {verify!r:.80}")
 
 
 def _check_group(dp: DPGroup, what: str) -> None:
