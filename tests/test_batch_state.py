@@ -165,3 +165,20 @@ def test_an_idle_batch_built_before_a_lora_step_runs_no_lora_after_it(runner, mo
     logits = runner.forward_eager(idle)
     assert logits.shape == (0, CFG.vocab_size)
     assert runner.lora.backend.batch_info is None
+
+
+def test_a_runner_built_before_shard_mlp_sees_the_sharded_mlp():
+    """``ModelRunner`` read ``model.dp`` once: built before ``shard_mlp``, it took the model as
+    unsharded and DPEngine said "call shard_mlp" of a model that was sharded."""
+    from lora_runtime.dp.group import DPGroup
+    from lora_runtime.dp.shard import shard_mlp
+    from lora_runtime.engine.kv_cache import KVCache
+    from lora_runtime.engine.model_runner import ModelRunner
+    from lora_runtime.model.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.random(CFG, torch.float32, DEVICE)
+    runner = ModelRunner(model, KVCache(CFG, 16, torch.float32, DEVICE), None)
+    assert runner.dp is None
+    group = DPGroup(0, 1, None, None, 5.0)  # a group of one, its collectives never called
+    shard_mlp(model, group)
+    assert runner.dp is group

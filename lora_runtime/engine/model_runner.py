@@ -17,8 +17,12 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         _check_cache(kv, model, param)
-        self.dp = model.dp
-        """The data-parallel group when the model's MLP is sharded for DP attention."""
+
+    @property
+    def dp(self):
+        """The data-parallel group when the model's MLP is sharded for DP attention (read from
+        the model: a runner built before ``shard_mlp`` took the model as unsharded)."""
+        return self.model.dp
 
     @torch.no_grad()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
