@@ -135,15 +135,20 @@ def range_table(events, cuda: bool, top: int = 8) -> str:
     """Per NVTX-named range: its kernels (GPU: device time) or top-level ops (CPU: CPU time,
     including children), most expensive first."""
     lines = []
+    ranges: dict[str, list] = {}  # path -> [occurrences, wall us, {name: [count, us]}]
     for r in events:
         if not getattr(r, "is_user_annotation", False):
             continue
-        acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        seen = ranges.setdefault(_path(r), [0, 0.0, defaultdict(lambda: [0, 0.0])])
+        seen[0] += 1
+        seen[1] += r.time_range.end - r.time_range.start
         for name, us in (_kernels(r) if cuda else _top_ops(r)):
-            acc[name][0] += 1
-            acc[name][1] += us
-        span = r.time_range.end - r.time_range.start
-        lines.append(f"\n{r.name}  ({span:.0f} us wall)")
+            seen[2][name][0] += 1
+            seen[2][name][1] += us
+    # One section a range path (a case's "replay" ranges summed, not one section each).
+    for path, (times, span, acc) in ranges.items():
+        lines.append(f"\n{path}  ({span:.0f} us wall" + (f", {times} times)" if times > 1
+                                                          else ")"))
         for name, (n, us) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]:
             lines.append(f"  {us:12.1f} us  {n:6d}x  {name[:100]}")
         if not acc:  # a bare heading read as a table cut off
@@ -151,6 +156,16 @@ def range_table(events, cuda: bool, top: int = 8) -> str:
                          "process)")
     kind = "kernels (device time)" if cuda else "top-level ops (CPU time incl. children)"
     return f"per-range {kind}:" + "".join("\n" + ln for ln in lines)
+
+
+def _path(e) -> str:
+    """The range's name under the ranges around it (``case > replay``)."""
+    names, p = [e.name], getattr(e, "cpu_parent", None)
+    while p is not None:
+        if getattr(p, "is_user_annotation", False):
+            names.append(p.name)
+        p = getattr(p, "cpu_parent", None)
+    return " > ".join(reversed(names))
 
 
 def _descendants(e):

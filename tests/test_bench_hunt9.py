@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from report_rows import rows
 
 pytest.importorskip("plotly", reason="the report needs plotly (pip install plotly)")
@@ -91,3 +92,22 @@ def test_a_stale_git_beside_the_sha_passed_in_leaves_dirtiness_unknown(monkeypat
         assert provenance._dirty() is bool(status)
     monkeypatch.delenv("MULTILORA_GIT_SHA")
     assert provenance._dirty() is bool(status)
+
+
+def test_the_range_table_sums_a_range_s_occurrences_into_one_section():
+    """Without nsys the table printed one section per occurrence: 26 "buffer refresh" and 17
+    "replay" sections for one CPU model case, hundreds for a GPU one. A range is now one
+    section under the ranges around it (``case > replay``), its occurrences counted."""
+    from bench.profile import range_table
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for case in ("case a", "case b"):
+            with torch.profiler.record_function(case):
+                for _ in range(3):
+                    with torch.profiler.record_function("replay"):
+                        torch.ones(4).add_(1)
+    text = range_table(prof.events(), cuda=False)
+    heads = [ln for ln in text.splitlines() if ln and not ln.startswith(" ")][1:]
+    assert sorted(h.split("  (")[0] for h in heads) == [
+        "case a", "case a > replay", "case b", "case b > replay"], text
+    assert all("3 times" in h for h in heads if "replay" in h), text
