@@ -78,9 +78,12 @@ class TracedGraph(Replayable):
         with torch.no_grad():
             out = self.module()
         if self.output is None:
-            self.output = out
-        else:
-            self.output.copy_(out)
+            # Hazard: an output made under torch.inference_mode() is an inference tensor,
+            # which a later replay outside it may not write ("Inplace update to inference
+            # tensor"); a CUDA graph's output, written by its kernels, takes any mode.
+            with torch.inference_mode(False):
+                self.output = torch.empty_like(out)
+        self.output.copy_(out)
         return self.output
 
 

@@ -89,8 +89,9 @@ class GraphRunner:
         kinds = [BASE]
         if self.lora is not None:
             top = buf.buckets[-1]
-            self.lora_buffers = self.lora.init_graph_buffers(buf.mode, buf.rows(top),
-                                                             buf.requests(top))
+            with torch.inference_mode(False):  # refreshed in place by replays in any mode
+                self.lora_buffers = self.lora.init_graph_buffers(buf.mode, buf.rows(top),
+                                                                 buf.requests(top))
             peers = [PEERS] if self.lora_buffers.gathered is not None else []
             kinds = [LORA, *peers, BASE]
         pool = new_pool(self.device)
@@ -166,8 +167,10 @@ class GraphRunner:
         if (not is_int(bucket) or bucket not in self.buffers.buckets
                 or (own is None and not idle) or (own or 0) > bucket):
             raise ValueError(f"no captured bucket fits this {batch.mode.value} batch of "
-                             f"{batch.batch_size} requests, {batch.num_tokens} tokens (buckets "
-                             f"{self.buffers.buckets}, asked {bucket!r}); check can_run() first")
+                             f"{batch.batch_size} requests, {batch.num_tokens} tokens: "
+                             f"{self._misfit(batch, own, bucket)} (buckets "
+                             f"{self.buffers.buckets}, asked {bucket!r}); check can_run() "
+                             "first and run the batch eagerly where it is False")
         bucket = int(bucket)
         # Under DP the sharded MLP serves every rank's rows: the step has adapters where any
         # rank's rows do (a rank whose own rows were base-only replayed "base" and left its
@@ -204,6 +207,15 @@ class GraphRunner:
         with phase("replay"):
             out = self.graphs[(kind, bucket)].replay()
         return out[: batch.batch_size]
+
+    def _misfit(self, batch: ForwardBatch, own: int | None, bucket) -> str:
+        if own is None and batch.mode is not ForwardMode.IDLE:
+            return self.buffers.misfit(batch)
+        if bucket is None:  # idle on a prefill runner
+            return "an idle batch fits every bucket: name one, replay(batch, bucket)"
+        if not is_int(bucket) or bucket not in self.buffers.buckets:
+            return "the asked bucket is not one of the buckets"
+        return f"it needs bucket {own}"
 
     def _set_lora(self, kind: str, batch: ForwardBatch | None, bucket: int,
                   capture: bool = False) -> None:

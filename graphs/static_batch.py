@@ -9,6 +9,7 @@ no NaN appears. (LoRA metadata has its own static buffers, owned by the LoRA bac
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -46,6 +47,19 @@ def check_index_tensors(batch: ForwardBatch) -> None:
 _INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
+def _outside_inference_mode(init):
+    """Allocates the buffers as normal tensors: made under ``torch.inference_mode()`` they
+    were inference tensors, and every refresh by a replay outside it raised "Inplace update
+    to inference tensor outside InferenceMode"."""
+
+    @functools.wraps(init)
+    def wrapped(*args, **kwargs) -> None:
+        with torch.inference_mode(False):
+            init(*args, **kwargs)
+
+    return wrapped
+
+
 def _put(dst: torch.Tensor, src: torch.Tensor | None, n: int, end: int, pad: int) -> None:
     if src is not None and n:
         dst[:n].copy_(src)
@@ -81,6 +95,7 @@ class DecodeBuffers:
 
     mode = ForwardMode.DECODE
 
+    @_outside_inference_mode
     def __init__(self, buckets: list[int], max_context: int, device) -> None:
         self.buckets = _checked_buckets(buckets, "batch sizes")
         max_context = _check_size("max_context", max_context, 1)
@@ -103,6 +118,16 @@ class DecodeBuffers:
             return None
         i = bisect.bisect_left(self.buckets, batch.batch_size)
         return self.buckets[i] if i < len(self.buckets) else None
+
+    def misfit(self, batch: ForwardBatch) -> str:
+        """Why ``bucket_for(batch)`` is None: the limit the batch exceeds."""
+        if batch.mode is not ForwardMode.DECODE:
+            return f"decode graphs replay decode batches, not {batch.mode.value} ones"
+        width = batch.attn.kv_indices.shape[1]
+        if width > self.max_context:
+            return (f"its KV context of {width} tokens exceeds max_context "
+                    f"{self.max_context}")
+        return f"its {batch.batch_size} requests exceed the largest bucket {self.buckets[-1]}"
 
     def rows(self, bucket: int) -> int:
         return bucket
@@ -149,6 +174,7 @@ class PrefillBuffers:
 
     mode = ForwardMode.EXTEND
 
+    @_outside_inference_mode
     def __init__(self, buckets: list[int], max_requests: int, max_prefix: int, device) -> None:
         self.buckets = _checked_buckets(buckets, "token counts")
         max_requests = _check_size("max_requests", max_requests, 1)
@@ -174,6 +200,17 @@ class PrefillBuffers:
             return None
         i = bisect.bisect_left(self.buckets, batch.num_tokens)
         return self.buckets[i] if i < len(self.buckets) else None
+
+    def misfit(self, batch: ForwardBatch) -> str:
+        """Why ``bucket_for(batch)`` is None: the limit the batch exceeds."""
+        if batch.mode is not ForwardMode.EXTEND:
+            return f"prefill graphs replay extend batches, not {batch.mode.value} ones"
+        if batch.batch_size > self.max_requests:
+            return f"its {batch.batch_size} requests exceed max_requests {self.max_requests}"
+        prefix = batch.attn.kv_indices.shape[0] - batch.num_tokens
+        if prefix > self.max_prefix:
+            return f"its {prefix} cached tokens exceed max_prefix {self.max_prefix}"
+        return f"its {batch.num_tokens} tokens exceed the largest bucket {self.buckets[-1]}"
 
     def rows(self, bucket: int) -> int:
         return bucket
