@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kernels import LoRAWeights, SegmentSpec
+from kernels.checks import FLOAT_DTYPES
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.lora.adapters import AdapterError, LoRAAdapter, load_peft_adapter
 from lora_runtime.lora.backends import LoRAGraphBuffers, make_backend
@@ -41,6 +42,7 @@ class LoRAManager:
         self.model, self.config = model, config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        _check_backend_dtype(config.backend, self.dtype)
         self.backend = make_backend(config.backend, config.max_loras_per_batch, self.device)
         self.neutral_slot = self.backend.neutral_slot
         self.weights: dict[tuple[int | None, str], LoRAWeights] = {}
@@ -368,6 +370,16 @@ class LoRAManager:
         base = getattr(parent, attr)
         setattr(parent, attr, WRAPPERS[attr](base, self.backend, weights))
         self.weights[key] = weights
+
+
+def _check_backend_dtype(backend: str, dtype: torch.dtype) -> None:
+    """The Triton kernels' dtypes, checked before wrapping: a model in another (a float64
+    reference) was wrapped and failed its first LoRA forward inside a launch ("y has dtype
+    torch.float64; expected fp16, bf16 or fp32")."""
+    if backend == "triton" and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"LoRAConfig(backend='triton') cannot serve a {dtype} model (its "
+                         "kernels take fp16, bf16 or fp32): use LoRAConfig(backend='torch'), "
+                         "or load the model in one of those dtypes")
 
 
 def _check_name_type(name, what: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lora_runtime.checks import is_finite_number
+from lora_runtime.checks import is_finite_number, is_int
 from lora_runtime.lora.adapters.adapter import (
     LINEAR_TARGETS,
     AdapterError,
@@ -36,10 +37,11 @@ _TOP_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)"
     r"\.lora_(embedding_)?([AB])(?:\.default)?(?:\.weight)?$"
 )
-_UNSUPPORTED = {
-    "use_dora": (True, "DoRA adapters are not supported"),
-    "fan_in_fan_out": (True, "fan_in_fan_out=true is for Conv1D models, not Llama"),
-}
+_MERGE_FIX = ("merge the adapter into the base model (PEFT: merge_and_unload()) and serve the "
+              "merged model")
+_IGNORED_FLAGS = ("fan_in_fan_out",)
+"""Checked as flags, then ignored, as PEFT does on Llama: it resets fan_in_fan_out to false on
+nn.Linear targets, and its embedding forward does not read it (a plain LoRA either way)."""
 _CHANGES_THE_FORWARD = {  # PEFT options that make the adapter more than x A^T B^T s
     "alora_invocation_tokens": "activated LoRA (the adapter applies only after its invocation "
                                "tokens)",
@@ -124,7 +126,8 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
                        dict(rank_pattern), dict(alpha_pattern), base_layers)
 
 
-def save_peft_adapter(adapter: LoRAAdapter, path: str | Path, base_model: str = "") -> None:
+def save_peft_adapter(adapter: LoRAAdapter, path: str | Path,
+                      base_model: str | os.PathLike | None = "") -> None:
     """Writes ``adapter`` in PEFT's format so that reading it back, here or with PEFT, gives
     every module the same rank, scaling and weights. The adapter's own r, lora_alpha and
     patterns are written where they give each module its rank and scaling (an adapter read
@@ -144,7 +147,23 @@ def save_peft_adapter(adapter: LoRAAdapter, path: str | Path, base_model: str = 
             raise AdapterError(f"{where}: scaling must be a finite number, got {m.scaling!r}")
     if not adapter.modules:
         raise AdapterError(f"adapter {adapter.name!r} has no LoRA weights to save")
+    if not isinstance(base_model, str | os.PathLike | None):
+        raise AdapterError(f"save_peft_adapter: base_model must be the base model's name or "
+                           f"path (a str or Path), got {base_model!r}")
     r, alpha, rank_pattern, alpha_pattern = _scaling_config(adapter)
+    # The config is made before any file is written: one that failed to serialise (a numpy
+    # alpha, a Path base_model) had left new weights beside the folder's old config.
+    cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None if base_model is None else os.fspath(base_model),
+        "r": _plain(r), "lora_alpha": _plain(alpha), "use_rslora": bool(adapter.use_rslora),
+        "target_modules": _saved_targets(adapter),
+        "rank_pattern": {k: _plain(v) for k, v in rank_pattern.items()},
+        "alpha_pattern": {k: _plain(v) for k, v in alpha_pattern.items()},
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+    }
+    text = json.dumps(cfg, indent=2) + "\n"
     tensors = {}
     for (layer, target), m in adapter.modules.items():
         tensors[_peft_key(layer, target, "A")] = m.a.contiguous()
@@ -154,19 +173,16 @@ def save_peft_adapter(adapter: LoRAAdapter, path: str | Path, base_model: str = 
             t.contiguous())
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / WEIGHTS))
-    cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": r, "lora_alpha": alpha, "use_rslora": adapter.use_rslora,
-        "target_modules": _saved_targets(adapter), "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern, "lora_dropout": 0.0, "bias": "none",
-        "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
-        "init_lora_weights": True, "inference_mode": True,
-    }
-    (path / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    (path / CONFIG).write_text(text)
 
 
 def _shape(t) -> tuple | str:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _plain(x: float) -> float:
+    """``x`` as the Python int or float JSON writes (a numpy scalar is neither)."""
+    return int(x) if is_int(x) else float(x)
 
 
 def _scaling_config(adapter: LoRAAdapter) -> tuple[int, float, dict, dict]:
@@ -249,13 +265,15 @@ def _read_config(path: Path) -> dict:
         raise AdapterError(f"{f} must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{f}: peft_type {cfg['peft_type']!r} is not LORA")
-    for key, (bad, why) in _UNSUPPORTED.items():
-        if _flag(cfg, key, f) == bad:
-            raise AdapterError(f"{f}: {why} ({key}={bad})")
+    if _flag(cfg, "use_dora", f):
+        raise AdapterError(f"{f}: DoRA adapters are not supported (use_dora=True): "
+                           f"{_MERGE_FIX}, or retrain it with use_dora=false")
+    for key in _IGNORED_FLAGS:
+        _flag(cfg, key, f)
     for key, what in _CHANGES_THE_FORWARD.items():
         if cfg.get(key):
             raise AdapterError(f"{f}: {key}={cfg[key]!r}: {what} is not supported; this "
-                               "runtime serves plain LoRA")
+                               f"runtime serves plain LoRA: retrain the adapter without {key}")
     init = cfg.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_MOVES_THE_BASE):
         raise AdapterError(f"{f}: init_lora_weights={init!r} trains against a changed base "
@@ -264,7 +282,8 @@ def _read_config(path: Path) -> dict:
                            "conversion=...) to convert it into a LoRA of the original base")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"{f}: modules_to_save={cfg['modules_to_save']} is not supported "
-                           "(fully trained modules are not LoRA)")
+                           f"(fully trained modules are not LoRA): {_MERGE_FIX}, or retrain "
+                           "with those modules in target_modules instead")
     return cfg
 
 
