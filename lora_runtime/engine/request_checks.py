@@ -3,9 +3,11 @@ changes nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sized
+from collections.abc import Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
+
+from lora_runtime.checks import is_int
 
 if TYPE_CHECKING:
     from lora_runtime.engine.requests import Request
@@ -67,6 +69,12 @@ def check_batch_lists(prompts, adapters) -> None:
     """Raises ValueError naming the fix where ``add_requests`` is not given a list of prompts
     and a list of adapters, one a prompt (a string would be read one adapter a letter; None,
     meant as the base model for all, or a generator failed on ``len`` naming neither)."""
+    if _is_one_prompt(prompts):
+        # Read as one prompt a token: "3 prompts but 1 adapters", and with [None] * 3
+        # "prompt 0 ... got 5".
+        raise ValueError(f"add_requests: prompt_ids must be a sequence of token ids for each "
+                         f"prompt, but prompts is one prompt's token ids ({type(prompts).__name__}"
+                         f" {prompts!r:.60}): pass [prompt] (or add_request(prompt))")
     if not all(isinstance(x, Sized) and not isinstance(x, (str, bytes))
                for x in (prompts, adapters)):
         fix = ("for the base model: [None] * len(prompts)" if adapters is None else
@@ -91,3 +99,12 @@ def check_batch_lists(prompts, adapters) -> None:
     if len(prompts) != len(adapters):
         raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters: pass one "
                          "adapter (or None) a prompt")
+
+
+def _is_one_prompt(prompts) -> bool:
+    """Whether ``prompts`` is one prompt's ids: a 1-D tensor or array (a tokenizer's
+    ``input_ids[0]``), or a sequence whose first entry is an id."""
+    if hasattr(prompts, "ndim") and not isinstance(prompts, Sequence):
+        return prompts.ndim == 1 and prompts.dtype != object  # not an array of lists
+    return (isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes))
+            and len(prompts) > 0 and is_int(prompts[0]))

@@ -45,10 +45,12 @@ def id_sequence(label: str, ids, ordered: bool = True) -> list:
     ``{5, 1, 3}`` was served as [1, 3, 5])."""
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         if ids.ndim != 1:
+            # Unordered ids are stop ids: a prompt's batch fix would name the wrong one.
+            what = "one prompt's token ids" if ordered else "token ids"
             fix = ("pass a list of ids ([id] for one)" if ids.ndim == 0 else
                    "for a tokenizer's batch of one pass ids[0]; for several prompts, "
-                   "Engine.add_requests")
-            raise ValueError(f"{label} must be one prompt's token ids (1-D), got a {ids.ndim}-D "
+                   "Engine.add_requests" if ordered else "pass them flat: ids.flatten()")
+            raise ValueError(f"{label} must be {what} (1-D), got a {ids.ndim}-D "
                              f"{type(ids).__name__} of shape {tuple(ids.shape)}: {fix}")
         return ids.tolist()
     if isinstance(ids, (str, bytes, bytearray, memoryview)):

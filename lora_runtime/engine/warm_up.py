@@ -13,6 +13,10 @@ completion before the next:
 - batch: n requests (n = 1, 2, 4, ... up to the batch limit) with prompts long enough to
   split decode attention's context, then one decode step of n rows.
 
+Where the adapters include the base model (None) beside adapters, both sweeps run once more
+on the base model alone: a step without adapters makes no LoRA launch (contract 6), so its
+kernels are not those of any step with adapters.
+
 Under data parallelism every rank serves the same phases, so the gathered MLP rows sweep the
 same ladder times the DP size. The ladder's powers of two bound each heuristic from both
 sides; a shape between two rungs that flips a heuristic threshold can still compile once.
@@ -130,9 +134,13 @@ def warm_up(engine: Engine, adapters: Sequence[str | None] | None) -> WarmUpRepo
     next_id = next(engine._ids)
     served = list(engine.timeline)  # the warm-up's own steps may trim it (max_timeline)
     vocab = engine.runner.model.config.vocab_size
-    phases = warm_up_phases(engine.config.max_step_tokens, engine.config.max_batch_size,
-                            engine.kv.max_tokens, adapters,
-                            engine.runner.model.config.max_position_embeddings)
+    limits = (engine.config.max_step_tokens, engine.config.max_batch_size, engine.kv.max_tokens)
+    positions = engine.runner.model.config.max_position_embeddings
+    phases = warm_up_phases(*limits, adapters, positions)
+    if None in adapters and any(a is not None for a in adapters):
+        # Every phase above holds an adapter's rows; a step without adapters makes no LoRA
+        # launch and runs other kernels (RoPE, SwiGLU, the norm without a LoRA term).
+        phases += warm_up_phases(*limits, [None], positions)
     # Eagerly: a captured graph compiled its kernels at capture, and any step (under DP, a
     # step whose ranks disagree on the mode) may run eagerly.
     graphs, engine.graphs = engine.graphs, []
