@@ -34,6 +34,11 @@ class Probe:
     cached: tuple[int, ...] = ()
     adapter: LoRAAdapter | None = None
 
+    def __post_init__(self) -> None:
+        if not self.tokens:  # its logits would be read from the row before it
+            raise ValueError("Probe needs at least one token (its logits are the last "
+                             f"token's), got tokens={self.tokens!r}")
+
 
 @torch.no_grad()
 def last_logits_f64(model, probes: list[Probe], kv=None) -> torch.Tensor:

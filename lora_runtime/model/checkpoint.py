@@ -11,14 +11,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lora_runtime.model.config import LlamaConfig
-from lora_runtime.model.llama import LlamaForCausalLM
+from lora_runtime.model.llama import LlamaForCausalLM, check_dtype
 from lora_runtime.model.modules import TARGETS
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _FUSED = {t.name: (f"{t.block}.{t.module}", t.slice) for t in TARGETS if t.name != t.module}
 _FUSED_NAMES = {fused.split(".")[1] for fused, _ in _FUSED.values()}
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
-_SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -26,11 +26,7 @@ class CheckpointError(ValueError):
 
 
 def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    if dtype not in _SERVED_DTYPES:
-        # A string ("bfloat16", as transformers takes) was read as a device by Module.to;
-        # float8 failed in the range check or at the first forward (no float8 kernels).
-        raise TypeError(f"dtype must be a floating torch.dtype the model computes in "
-                        f"({', '.join(map(str, _SERVED_DTYPES))}), got {dtype!r}")
+    check_dtype(dtype)  # before reading the folder
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -53,10 +49,6 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                 if key in filled:
                     raise CheckpointError(f"{file.name}: tensor {key!r} is also in "
                                           f"{filled[key]}: which one is meant is not known")
-                if key == "lm_head.weight" and config.tie_word_embeddings:
-                    # Shares the embedding's tensor: a copy would overwrite the embedding.
-                    tied_head, filled[key] = f.get_tensor(key), file.name
-                    continue
                 if key not in expected:  # this runtime's fused names included
                     raise CheckpointError(f"{file.name}: unexpected tensor {key!r} "
                                           f"({_why_unexpected(key, config)})")
@@ -69,6 +61,10 @@ def load_hf_llama(path: str | Path, dtype: torch.dtype, device) -> LlamaForCausa
                 if tuple(t.shape) != tuple(dest.shape):
                     raise CheckpointError(f"{file.name}: {key} has shape {tuple(t.shape)}, "
                                           f"expected {tuple(dest.shape)} from config.json")
+                if key == "lm_head.weight" and config.tie_word_embeddings:
+                    # Shares the embedding's tensor: a copy would overwrite the embedding.
+                    tied_head, filled[key] = t, file.name
+                    continue
                 cast = t.to(dtype)
                 if _narrows(t.dtype, dtype) and not torch.isfinite(cast).all():
                     why = ("holds NaN or Inf" if not torch.isfinite(t).all() else
@@ -163,4 +159,18 @@ def _check_complete(filled: set[str], config: LlamaConfig) -> None:
         want.discard("lm_head.weight")
     missing = sorted(want - filled)
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}: "
+                              f"{_why_missing(missing, filled, config)}")
+
+
+def _why_missing(missing: list[str], filled: set[str], config: LlamaConfig) -> str:
+    if missing == ["lm_head.weight"]:
+        return ("config.json's tie_word_embeddings is false: set it to true if the checkpoint's "
+                "lm_head shares embed_tokens' weights")
+    held = {int(m.group(1)) for k in filled if (m := _LAYER_INDEX.match(k))}
+    layers = max(held, default=-1) + 1
+    if 0 < layers < config.num_layers and all(
+            (m := _LAYER_INDEX.match(k)) and int(m.group(1)) >= layers for k in missing):
+        return (f"it holds layers 0..{layers - 1}; config.json's num_hidden_layers is "
+                f"{config.num_layers}: set it to {layers}")
+    return "the checkpoint is incomplete (a shard missing?): download it again"

@@ -13,6 +13,16 @@ from lora_runtime.model.attention import LlamaAttention
 from lora_runtime.model.config import LlamaConfig
 from lora_runtime.model.layers import RMSNorm, RotaryEmbedding, deferred, silu_mul
 
+SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_dtype(dtype) -> None:
+    if dtype not in SERVED_DTYPES:
+        # A string ("bfloat16", as transformers takes) was read as a device by Module.to;
+        # float8 failed in the range check or at the first forward (no float8 kernels).
+        raise TypeError(f"dtype must be a floating torch.dtype the model computes in "
+                        f"({', '.join(map(str, SERVED_DTYPES))}), got {dtype!r}")
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -105,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def empty(config: LlamaConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
         """Uninitialised weights on ``device`` (no host copy, no init cost), rotary filled."""
+        check_dtype(dtype)
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
         model = model.to_empty(device=device).to(dtype)
