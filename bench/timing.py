@@ -55,15 +55,16 @@ def bench_time(
     graph, replays timed with events), "events" (eager calls between CUDA events; a host-bound
     call's time mixes with the queue it runs ahead of) or "latency" (wall clock of each call
     to the end of its device work: what a host-bound eager step costs its caller)."""
+    # Checked on every device: a misspelt mode passed every CPU run, refused on the GPU only.
+    if mode not in ("graph", "events", "latency"):
+        raise ValueError(f"mode must be 'graph', 'events' or 'latency', got {mode!r}")
     if device.type != "cuda":
         return _wall(fn, calls, warmup=min(warmup, 1), reps=reps)
     if mode == "graph":
         return _graph(fn, calls, warmup, reps)
     if mode == "events":
         return _events(fn, calls, warmup, reps)
-    if mode == "latency":
-        return _wall(_synced(fn, device), calls, warmup, reps)
-    raise ValueError(f"mode must be 'graph', 'events' or 'latency', got {mode!r}")
+    return _wall(_synced(fn, device), calls, warmup, reps)
 
 
 def bench_interleaved(fns: dict[object, Callable[[], object]], *, device: torch.device,

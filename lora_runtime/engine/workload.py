@@ -56,13 +56,14 @@ class WorkloadSpec:
             if not isinstance(x, numbers.Real) or isinstance(x, bool):
                 raise ValueError(f"{name} must be a number, got {type(x).__name__} {x!r:.80}")
         # A rate so small that its mean gap 1 / rate overflows (1e-320) drew every arrival at
-        # inf, which serve() then refused.
-        if self.arrival == "poisson" and not (0 < self.rate < math.inf
+        # inf, which serve() then refused; an int past float's range (10**400) passed here
+        # and make_workload raised OverflowError naming neither field.
+        if self.arrival == "poisson" and not (is_finite_number(self.rate) and self.rate > 0
                                               and math.isfinite(1 / self.rate)):
             raise ValueError(f"poisson arrivals need a finite rate > 0 (requests per second), "
-                             f"got {self.rate!r}")
-        if not 0 <= self.zipf_alpha < math.inf:
-            raise ValueError(f"zipf_alpha must be finite and >= 0, got {self.zipf_alpha!r}")
+                             f"got {self.rate!r:.80}")
+        if not (is_finite_number(self.zipf_alpha) and self.zipf_alpha >= 0):
+            raise ValueError(f"zipf_alpha must be finite and >= 0, got {self.zipf_alpha!r:.80}")
         if self.popularity in ("uniform", "zipf") and self.num_adapters < 1:
             raise ValueError(f"{self.popularity} popularity needs num_adapters >= 1")
         # Parameters whose companion defaults to off were ignored: WorkloadSpec(64,
@@ -122,7 +123,9 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequest]:
     adapter_rng = random.Random(f"adapters-{int(spec.seed)}")
     arrival_rng = random.Random(f"arrivals-{int(spec.seed)}")
     names = spec.adapter_names
-    weights = ([(i + 1) ** -spec.zipf_alpha for i in range(len(names))]  # 0 past 1e-308
+    # float: numpy refuses an integer to a negative integer power (zipf_alpha=np.int64(2)).
+    alpha = float(spec.zipf_alpha)
+    weights = ([(i + 1) ** -alpha for i in range(len(names))]  # 0 past 1e-308
                if spec.popularity == "zipf" else None)
     t, out = 0.0, []
     for i in range(spec.num_requests):
