@@ -28,6 +28,7 @@ from bench import provenance, results
 from bench.args import at_least, check_out_file, positive
 from bench.results import make_row
 from bench.scenarios import DP_WORKLOAD, DPCase
+from bench.throughput_bench import verify_passes
 from bench.timing import Timing
 from bench.token_reference import REQUESTS, judge, near_tie, token_reference
 from graphs import GraphRunner
@@ -125,15 +126,16 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
     warm = eng.warm_up()
     policy, share = LOADS[load]
     passes = []  # per timed pass: (wall, its steps, its output tokens on this rank)
-    untimed = {}  # workload index -> this rank's request of the untimed pass
+    served = []  # per pass, the untimed first: workload index -> this rank's request
+    workload = make_workload(spec, config.vocab_size)
     for timed in (False, *([True] * TIMED_PASSES)):
         eng.keep_logits = not timed  # the untimed pass's rows, for the reference; not timed
         ctrl = DPController(size, policy, share)
-        for i, w in enumerate(make_workload(spec, config.vocab_size)):  # warm-up serves it too
+        served.append({})
+        for i, w in enumerate(workload):  # warm-up serves it too
             if ctrl.assign(len(w.prompt), w.max_new_tokens) == rank:
-                req = eng.add_request(w.prompt, w.adapter, max_new_tokens=w.max_new_tokens)
-                if not timed:
-                    untimed[i] = req
+                served[-1][i] = eng.add_request(w.prompt, w.adapter,
+                                                max_new_tokens=w.max_new_tokens)
         first, done = len(eng.timeline), len(eng.finished)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -184,12 +186,25 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
         "workload": {"requests": requests} | {k: opts[k] for k in WORKLOAD},
     }
     timing = Timing([s.seconds * 1e6 for s in steps], "wall") if steps else None
-    expected = sum(w.max_new_tokens for w in make_workload(spec, config.vocab_size))
+    untimed = served[0]
+    expected = sum(w.max_new_tokens for w in workload)
     verification = {"status": "verified" if int(tokens) == expected else "failed",
                     "error": None if int(tokens) == expected else
                     f"the timed pass produced {int(tokens)} tokens, the workload's "
                     f"max_new_tokens sum to {expected}",
-                    "checked": "every request produced max_new_tokens tokens"}
+                    "checked": "every request produced max_new_tokens tokens; every timed "
+                               "pass repeats the untimed pass's tokens up to a near-tie"}
+    # The timed passes' tokens (a count cannot see wrong ones) against the untimed pass's.
+    try:  # raising on one rank would leave the others in the gather
+        repeat = _repeats_untimed(eng, served, workload, dtype)
+    except Exception as e:  # noqa: BLE001 - any failure of the check fails the case
+        repeat = {"status": "failed", "error": f"the check raised {type(e).__name__}: {e}"}
+    repeats = [None] * size
+    torch.distributed.all_gather_object(repeats, repeat, group=dp.cpu_group)
+    failed = next(((r, v) for r, v in enumerate(repeats) if v["status"] != "verified"), None)
+    if verification["status"] == "verified" and failed is not None:
+        verification = {**verification, "status": "failed",
+                        "error": f"rank {failed[0]}'s requests: {failed[1]['error']}"}
     # Every rank's untimed-pass tokens, by workload index, against an eager forward of an
     # unsharded copy of the model on rank 0 (a count cannot see wrong tokens).
     mine = [None] * size
@@ -216,6 +231,18 @@ def _case(rank, size, dp, config, device, dtype, adapters, load, r, opts) -> dic
               f"{'/'.join('-' if us is None else f'{us:.1f}' for us in idle.values())} us",
               flush=True)
     return row
+
+
+def _repeats_untimed(eng, served: list[dict], workload, dtype) -> dict:
+    """This rank's timed passes (``served[1:]``) against its untimed pass (``served[0]``,
+    whose logits rows the engine kept): ``throughput_bench.verify_passes``'s outcome."""
+    order = sorted(served[0])
+    margins = {j: [float(t[0] - t[1]) for t in (row.float().topk(2).values for row in
+                                                 eng.logits.get(served[0][i].id, []))]
+               for j, i in enumerate(order)}
+    passes = [[list(p[i].output) for i in order] for p in served]
+    return verify_passes(passes, [workload[i] for i in order], margins,
+                         near_tie(str(dtype).removeprefix("torch.")))
 
 
 def _probe_rows(eng, untimed: dict) -> dict:
@@ -251,7 +278,7 @@ def _verify_reference(config, dtype, device, adapters, r, spec, parts,
              "eager forward outside the engine")
     done = {**verification, "checks": [verification["checked"]]}
     probes = mismatches = 0
-    worst, checks = 0.0, [check]
+    worst, worst64, checks = 0.0, 0.0, [check]
     for rank, part in enumerate(parts):
         kept = None if rows is None else {i: {k: t.to(device) for k, t in ks.items()}
                                           for i, ks in rows[rank].items()}
@@ -263,8 +290,11 @@ def _verify_reference(config, dtype, device, adapters, r, spec, parts,
         probes += v["reference_probes"]
         mismatches += v["reference_mismatches"]
         worst = max(worst, v.get("max_rel_err_logits_vs_eager", 0.0))
+        worst64 = max(worst64, v.get("max_rel_err_logits_vs_float64", 0.0))
         checks = v["checks"][len(done["checks"]):]
-    extra = {} if rows is None else {"max_rel_err_logits_vs_eager": worst}
+    extra = {"max_rel_err_logits_vs_float64": worst64}
+    if rows is not None:
+        extra["max_rel_err_logits_vs_eager"] = worst
     return {**done, "reference_probes": probes, "reference_mismatches": mismatches, **extra,
             "checks": [*done["checks"], *checks]}
 

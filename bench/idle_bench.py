@@ -100,6 +100,8 @@ def run_case(case: IdleCase, ctx: Context, pairs: RuntimePair) -> list[dict]:
             else:
                 batches = {n: rt.batch(case.batch_size, "base", seed=case.batch_size)
                            for n, rt in rts.items()}
+                for rt in rts.values():  # other requests of this shape: a stale refresh shows
+                    rt.prime(case.batch_size)
                 check = _verify_base_batch(case, rts, batches)
                 fns = {(n, p): (lambda rt=rt, b=batches[n][0], p=p:
                                 rt.eager(b) if p == "eager" else rt.step(b))

@@ -28,8 +28,10 @@ def lora_delta_fp32(x: torch.Tensor, weights: LoRAWeights, token_slots: list[int
     return out
 
 
-def relative_error(y: torch.Tensor, y0: torch.Tensor, ref_delta: torch.Tensor) -> float:
+def row_errors(y: torch.Tensor, y0: torch.Tensor, ref_delta: torch.Tensor) -> torch.Tensor:
+    """Each row's relative error of the delta ``y - y0`` against ``ref_delta`` (inf where it
+    is not finite). Per row: over the whole output, a fault confined to a few rows is diluted
+    by the others (one row of 2048 without its term read 0.022, under bf16's limit)."""
     delta = y.float() - y0.float()
-    if not torch.isfinite(delta).all():
-        return float("inf")
-    return ((delta - ref_delta).norm() / ref_delta.norm().clamp_min(1e-30)).item()
+    err = (delta - ref_delta).norm(dim=-1) / ref_delta.norm(dim=-1).clamp_min(1e-30)
+    return torch.where(torch.isfinite(delta).all(dim=-1), err, float("inf"))

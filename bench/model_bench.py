@@ -120,7 +120,7 @@ class RuntimeCache:
 
 def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict]:
     rt = runtimes.get(case)
-    _prime(case, rt)
+    rt.prime(case.batch_size)  # other requests of this shape: a stale refresh then shows
     batches = {t: rt.batch(case.batch_size, t) for t in case.traffics}
     try:
         try:
@@ -165,21 +165,6 @@ def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict
     finally:
         for _, reqs in batches.values():
             rt.release(reqs)
-
-
-def _prime(case: ModelCase, rt: BenchRuntime) -> None:
-    """Replays the LoRA graph once with a batch of the case's shape whose requests have other
-    adapters (shifted by one), so the static LoRA buffers hold a layout of the same shape as
-    the verified batch's but other slots: a refresh skipped for a same-shape batch (stale
-    metadata) then shows in "replay == eager" (the verification's step is otherwise the first
-    of its shape in the runtime, and nothing stale can be read)."""
-    if rt.lora is None or len(rt.names) < 2:
-        return
-    batch, reqs = rt.batch(case.batch_size, "lora", shift=1, prefilled=False)
-    try:
-        rt.step(batch)
-    finally:
-        rt.release(reqs)
 
 
 def _verify(case: ModelCase, rt: BenchRuntime, batch, reqs) -> dict:

@@ -98,6 +98,19 @@ class BenchRuntime:
             r.output.append(1)
         return build_decode(reqs, self.kv, self.device), reqs
 
+    def prime(self, batch_size: int) -> None:
+        """Replays a batch of ``batch_size`` other requests (LoRA traffic, request i with
+        adapter i + 1, where there are adapters), so the static buffers hold another batch's
+        KV tables and LoRA layout of the shape about to be verified: a refresh skipped for a
+        same-shape batch (stale metadata) then shows as replay != eager. The verified step is
+        otherwise the first of its shape, and nothing stale can be read."""
+        traffic = "lora" if self.names else "base"
+        batch, reqs = self.batch(batch_size, traffic, shift=1, prefilled=False)
+        try:
+            self.step(batch)
+        finally:
+            self.release(reqs)
+
     def check_against_float64(self, got: torch.Tensor, reqs, what: str) -> dict:
         """The LoRA runtime's logits of ``reqs`` against each request run alone through the
         float64 model with its adapter (``bench.reference_checks.check_lora_rows``)."""

@@ -24,14 +24,16 @@ measured 3e-7 to 8e-7 on the CPU profile (the term is 40-95% of the logits' norm
 scaling 2% off measured 2e-2. In bf16 the runtime's own rounding is a large share of the
 term, so there it is recorded (``max_rel_err_lora_term_vs_float64``), not judged: on a CPU
 a correct bf16 runtime measured 0.015, a scaling 2% off 0.028 (4 layers, hidden 1024)."""
-LORA_REQUESTS = 4
-"""In a batch of more than ``ALL_ROWS`` requests, the LoRA rows checked include the first of
-each distinct adapter up to this many, and the last request of the batch."""
 ALL_ROWS = 8
 """Batches of up to this many requests have every row checked; a larger one this many rows
-(the first, middle and last, the LoRA picks above, the rest spread evenly). With three picked
-rows, a fault confined to a request between them (positions off for the third request of 4)
-was verified on the CPU profile, whose batches hold 1-4 requests."""
+(the first, middle and last, the rest spread evenly). With three picked rows, a fault
+confined to a request between them (positions off for the third request of 4) was verified on
+the CPU profile, whose batches hold 1-4 requests. The model suite's batches have the first
+request of every distinct adapter checked too (beyond this many where there are more
+adapters): the first of 4 adapters left a fault of one adapter alone (its o_proj term
+dropped) verified in a batch of 16 over 8 adapters."""
+PROBES_AT_ONCE = 16
+"""Requests run through the float64 model in one forward (its activations' memory)."""
 DECODE_CHECK = (f"every request (over {ALL_ROWS}: {ALL_ROWS} spread) == a float64 decode "
                 "step from the definition")
 LORA_CHECK = "eager == each request alone through a float64 model with its adapter"
@@ -57,12 +59,12 @@ def check_lora_rows(model, adapters: dict, got: torch.Tensor, requests, dtype,
     name -> host ``LoRAAdapter``). Raises ``AssertionError`` past the limits."""
     picks = _lora_picks([r.adapter for r in requests])
     tokens = [tuple(requests[i].prompt) + tuple(requests[i].output) for i in picks]
-    ref = last_logits_f64(model, [Probe(t, (), adapters.get(requests[i].adapter))
-                                  for t, i in zip(tokens, picks, strict=True)])
+    ref = _in_chunks(model, [Probe(t, (), adapters.get(requests[i].adapter))
+                             for t, i in zip(tokens, picks, strict=True)])
     lora = [j for j, i in enumerate(picks) if requests[i].adapter is not None]
     base = ref.clone()  # the LoRA rows' base logits: a second forward for those rows only
     if lora:
-        base[lora] = last_logits_f64(model, [Probe(tokens[j]) for j in lora])
+        base[lora] = _in_chunks(model, [Probe(tokens[j]) for j in lora])
     rows = got[picks].double()
     err = _row_errors(rows, ref)
     _judge(err, picks, ROW_TOL[dtype], what, "a float64 model with its adapter")
@@ -77,14 +79,19 @@ def check_lora_rows(model, adapters: dict, got: torch.Tensor, requests, dtype,
             if lora else 0.0}
 
 
+def _in_chunks(model, probes: list[Probe]) -> torch.Tensor:
+    return torch.cat([last_logits_f64(model, probes[i : i + PROBES_AT_ONCE])
+                      for i in range(0, len(probes), PROBES_AT_ONCE)])
+
+
 def _lora_picks(names) -> list[int]:
+    """``_spread``'s rows, the first request of every distinct adapter among them."""
     if not names:
         return []
     first: dict = {}
     for i, n in enumerate(names):
         first.setdefault(n, i)
-    rows = sorted(first.values())[:LORA_REQUESTS]
-    return _spread(len(names), {*rows, len(names) // 2, len(names) - 1})
+    return _spread(len(names), {*first.values(), len(names) // 2, len(names) - 1})
 
 
 def _spread(n: int, must: set[int]) -> list[int]:

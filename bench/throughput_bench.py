@@ -94,13 +94,13 @@ def run_case(case: ThroughputCase, ctx: Context) -> dict:
             if rt is not None:
                 rt.timed_pass(wl)
     tie = near_tie(case.dtype)
-    verification = _verify(main.passes, workload, main.margins, tie)
+    verification = verify_passes(main.passes, workload, main.margins, tie)
     if verification["status"] == "verified":
         verification = _verify_reference(main, workload, verification, tie)
     if verification["status"] == "verified":
         verification = _verify_ragged(main, workload, verification, tie)
     if base is not None and verification["status"] == "verified":
-        check = _verify(base.passes, base_workload, base.margins, tie)
+        check = verify_passes(base.passes, base_workload, base.margins, tie)
         if check["status"] == "verified":
             check = _verify_reference(base, base_workload, check, tie)
         if check["status"] == "verified":
@@ -272,9 +272,10 @@ def _step_split(timeline) -> dict:
     return out
 
 
-def _verify(passes, workload, margins, tie: float) -> dict:
-    """Every timed pass against the warm-up."""
-    short = [i for p in passes[1:] for i, (o, w) in enumerate(zip(p, workload, strict=True))
+def verify_passes(passes, workload, margins, tie: float) -> dict:
+    """Every timed pass (``passes[1:]``, each request's tokens in ``workload``'s order)
+    against the untimed pass (``passes[0]``, whose top-2 logit margins are ``margins``)."""
+    short = [i for p in passes for i, (o, w) in enumerate(zip(p, workload, strict=True))
              if len(o) != w.max_new_tokens]
     if short:
         return {"status": "failed", "error": f"requests {short[:5]} produced too few tokens"}
@@ -329,7 +330,8 @@ def _verify_ragged(rt: _Runtime, workload, verification: dict, tie: float) -> di
     if v["status"] != "verified":
         return {**v, "error": f"ragged workload: {v['error']}"}
     return {**verification, "checks": v["checks"],
-            "ragged_max_rel_err_logits_vs_eager": v.get("max_rel_err_logits_vs_eager")}
+            "ragged_max_rel_err_logits_vs_eager": v.get("max_rel_err_logits_vs_eager"),
+            "ragged_max_rel_err_logits_vs_float64": v.get("max_rel_err_logits_vs_float64")}
 
 
 def _verify_reference(rt: _Runtime, workload, verification: dict, tie: float) -> dict:

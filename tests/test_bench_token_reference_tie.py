@@ -46,7 +46,8 @@ def test_the_reference_least_likely_token_is_never_a_near_tie():
         for k in sorted({0, len(o) - 1}):
             o[k] = int(_logits(model, wl[i].prompt + o[:k]).argmin())
             probes += 1
-    bad, n, _ = token_reference(model, None, wl, bad_outs, TIE)
+    found = token_reference(model, None, wl, bad_outs, TIE)
+    bad, n = found.bad, found.probes
     assert n == probes and len(bad) == probes, (bad, n)
 
 
