@@ -155,18 +155,15 @@ def lora_delta(a, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, st
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     cur = tl.min(slots, 0)
     while cur < sentinel:
-        # The rank, the scaling and B load side by side (B waited on the rank before: one
-        # more dependent load a slot). The neutral slot (sentinel - 1) has no B: its load is
-        # masked off, and its rank 0 zeroes ``a``, as a rank-0 slice of a real slot does.
-        # B read up to max_rank (a mask the compiler vectorizes), ``a`` zeroed past the
-        # rank: B's columns there need only be finite (LoRAWeights' contract).
         rank = load_rank(ranks_ptr + cur * NUM_SLICES + sl, max_rank)
-        scale = tl.load(scal_ptr + cur * NUM_SLICES + sl)
-        b_rows = tl.where(cur < sentinel - 1, max_rank, 0)
-        b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-                    + offs_n[None, :] * stride_bn,
-                    mask=(offs_r < b_rows)[:, None] & n_mask[None, :], other=0.0)
-        mine = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], a, 0.0)
-        acc += scale * tl.dot(mine.to(b.dtype), b, input_precision=PRECISION)
+        if rank > 0:
+            scale = tl.load(scal_ptr + cur * NUM_SLICES + sl)
+            # B read up to max_rank (a mask the compiler vectorizes), ``a`` zeroed past the
+            # rank: B's columns there need only be finite (LoRAWeights' contract).
+            b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+                        + offs_n[None, :] * stride_bn,
+                        mask=(offs_r < max_rank)[:, None] & n_mask[None, :], other=0.0)
+            mine = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], a, 0.0)
+            acc += scale * tl.dot(mine.to(b.dtype), b, input_precision=PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
     return acc
