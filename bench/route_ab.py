@@ -32,6 +32,7 @@ import kernels.expand
 import kernels.shrink
 import lora_runtime.lora.side_stream as side_stream
 from bench.args import int_list, positive, torch_device, torch_dtype
+from bench.kernel_diff import kernel_diff, per_kernel_us
 from bench.logits_match import assert_logits_match
 from bench.model_runtime import BenchRuntime
 from bench.table import render
@@ -173,6 +174,15 @@ class _Prepared:
                                    f"variant {self.variant.name}: the LoRA graph replay differs "
                                    "from the eager forward", args.layers)
 
+    def kernels(self, bs: int, reps: int, top: int) -> list[dict]:
+        """LoRA's replay against base's, kernel by kernel (``bench.kernel_diff``)."""
+        lb, bb = self.batches[bs]
+        with knobs_of(self.variant):
+            cuda = self.rt.device.type == "cuda"
+            lora = per_kernel_us(self.rt.replay_only(lb), reps, cuda)
+            base = per_kernel_us(self.rt.replay_only(bb), reps, cuda)
+        return kernel_diff(lora, base, top)
+
     def time(self, batch, reps: int) -> float:
         """Microseconds a replay of ``batch``'s graph (its static buffers refreshed first):
         the median of ``reps`` replays."""
@@ -216,6 +226,8 @@ def run(args) -> list[dict]:
                          "added_us": statistics.median(added),
                          "added_pct": 100 * statistics.median(added) / statistics.median(base),
                          "added_us_rounds": added, "max_rel_err_vs_eager": p.errors[bs]})
+            if args.kernels:
+                rows[-1]["kernel_diff"] = p.kernels(bs, args.reps, args.kernels)
     return rows
 
 
@@ -225,7 +237,17 @@ def table(rows: list[dict]) -> str:
     body = [[str(r["bs"]), r["variant"], f"{r['lora_us']:.1f}", f"{r['base_us']:.1f}",
              f"{r['added_us']:.1f} ({min(r['added_us_rounds']):.1f}-"
              f"{max(r['added_us_rounds']):.1f})", f"{r['added_pct']:.1f}%"] for r in rows]
-    return render(head, body)
+    text = render(head, body)
+    for r in rows:
+        if "kernel_diff" in r:
+            text += (f"\n\nbs {r['bs']} {r['variant']}: LoRA replay minus base replay by kernel "
+                     "(us a replay; launches a replay)\n")
+            text += render(["kernel", "LoRA - base", "LoRA", "base"],
+                           [[d["name"], f"{d['diff_us']:+.1f}",
+                             f"{d['a_us']:.1f} ({d['a_launches']:g})",
+                             f"{d['b_us']:.1f} ({d['b_launches']:g})"]
+                            for d in r["kernel_diff"]])
+    return text
 
 
 def parse_args(argv=None):
@@ -248,11 +270,16 @@ def parse_args(argv=None):
     p.add_argument("--device", type=torch_device, default=None)
     p.add_argument("--rounds", type=positive, default=6)
     p.add_argument("--reps", type=positive, default=20, help="replays a timing")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also profile each variant's replays and list the N kernels whose "
+                   "time LoRA changes most (CPU: ops)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines")
     args = p.parse_args(argv)
     twice = sorted({b for b in args.bs if args.bs.count(b) > 1})
     if twice:  # one batch per size: its rows printed twice, each with twice the rounds
         p.error(f"--bs {','.join(map(str, args.bs))}: batch size {twice[0]} is given twice")
+    if args.kernels < 0:
+        p.error(f"--kernels {args.kernels}: give a count >= 0")
     names = [v.name for v in args.variants]
     if len(set(names)) != len(names):
         p.error(f"variant names repeat: {names}")

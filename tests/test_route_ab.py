@@ -104,3 +104,31 @@ def test_a_variant_that_does_not_fit_names_the_fix(monkeypatch):
     with pytest.raises(SystemExit, match=r"variant 'a' .*32 layers.*320 requests.*fewer "
                                          r"variants, fewer --layers or smaller --bs"):
         route_ab.run(args)
+
+
+def test_kernel_diff_orders_names_by_the_change():
+    from bench.kernel_diff import kernel_diff
+
+    lora = {"shrink": [5.0, 4.0], "gemm": [100.0, 4.0], "silu_lora": [9.0, 1.0]}
+    base = {"gemm": [99.0, 4.0], "silu": [4.0, 1.0]}
+    got = kernel_diff(lora, base, 3)
+    assert [d["name"] for d in got] == ["silu_lora", "shrink", "silu"]
+    assert got[0] == {"name": "silu_lora", "diff_us": 9.0, "a_us": 9.0, "b_us": 0,
+                      "a_launches": 1.0, "b_launches": 0}
+    assert got[2]["diff_us"] == -4.0
+
+
+def test_an_ab_run_lists_what_lora_adds_kernel_by_kernel():
+    """``--kernels N``: each row names the N kernels (CPU: ops) whose time LoRA changes most,
+    LoRA's own launches among them (none of them in the base replay)."""
+    args = route_ab.parse_args([
+        "--step", "decode", "--preset", "tiny", "--layers", "1", "--context", "8",
+        "--adapters", "2", "--rank", "8", "--bs", "2", "--rounds", "1", "--reps", "1",
+        "--kernels", "6", "--variant", "today"])
+    [row] = route_ab.run(args)
+    diff = row["kernel_diff"]
+    assert 0 < len(diff) <= 6 and all(isinstance(d["name"], str) for d in diff)
+    assert any(d["a_launches"] > 0 and d["b_launches"] == 0 for d in diff), diff
+    assert "LoRA replay minus base replay by kernel" in route_ab.table([row])
+    with pytest.raises(SystemExit):
+        route_ab.parse_args(["--kernels", "-1", "--variant", "a"])
