@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from kernels.config import interpreted
@@ -16,6 +18,22 @@ def check(cond: bool, msg) -> None:
     their checks when built on every call)."""
     if not cond:
         raise ValueError(msg() if callable(msg) else msg)
+
+
+def is_whole(value) -> bool:
+    """An integer (numpy's too); not a bool, not a float of integral value."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def checked_override(name: str, value, least: int = 1) -> int | None:
+    """A launch override as a Python int (numpy's taken), None where not given; refused
+    unless a power of two >= ``least``. Overrides were rounded or dropped silently (tiles=3
+    ran as 2, block_n=-16 added nothing, 0 meant the heuristic) or failed in the kernel."""
+    if value is None:
+        return None
+    ok = is_whole(value) and value >= least and value & (value - 1) == 0
+    check(ok, lambda: f"{name} must be a power of two >= {least}, got {value!r}")
+    return int(value)
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
@@ -122,6 +140,7 @@ def check_tables(weights_ranks: torch.Tensor, scalings: torch.Tensor | None, num
     )
     check(weights_ranks.device == device, lambda: f"ranks is on {weights_ranks.device}, expected "
           f"{device}")
+    check_contiguous_table("ranks", weights_ranks)
     if scalings is not None:
         check(
             scalings.dtype == torch.float32 and tuple(scalings.shape) == want,
@@ -130,3 +149,11 @@ def check_tables(weights_ranks: torch.Tensor, scalings: torch.Tensor | None, num
         )
         check(scalings.device == device, lambda: f"scalings is on {scalings.device}, expected "
               f"{device}")
+        check_contiguous_table("scalings", scalings)
+
+
+def check_contiguous_table(name: str, table: torch.Tensor) -> None:
+    """Kernels read entry (slot, slice) at ``slot * slices + slice``: a table of another
+    memory layout (a transposed or strided view) read other slots' entries, silently."""
+    check(table.is_contiguous(), lambda: f"{name} must be contiguous (the kernels index it "
+          f"row-major), got strides {table.stride()}; pass {name}.contiguous()")

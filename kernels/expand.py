@@ -27,6 +27,7 @@ from kernels.checks import (
     check_layout,
     check_rows_disjoint,
     check_weight_tables,
+    checked_override,
 )
 from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
@@ -236,7 +237,12 @@ def launch_shape(slice_widths: tuple[int, ...], block_m: int, num_blocks: int, m
                  num_warps: int | None, one_launch: bool = False) -> tuple[int, int, int, int]:
     """(groups, block_n, tiles, num_warps) of one launch (``one_launch``: of the shrink and
     expand in one kernel): a function of shapes only, so it is computed once per shape (its
-    Python cost per eager launch was ~8 us on a slow host)."""
+    Python cost per eager launch was ~8 us on a slow host). An override that is no power of
+    two is refused (every time: lru_cache keeps no exception); tiles past the kernel's cap
+    run at the cap."""
+    tiles = checked_override("tiles", tiles)
+    block_n = checked_override("block_n", block_n)
+    num_warps = checked_override("num_warps", num_warps)
     block_r = config.rank_block(max_rank)
     block_n = block_n or config.expand_n_block(max(slice_widths), block_m, block_r, one_launch)
     slice_tiles = tuple(config.cdiv(w, block_n) for w in slice_widths)

@@ -110,7 +110,8 @@ class UnshrunkLoRA:
         signature are kept with it."""
         x, w, layout = self.x, self.weights, self.layout
         c = _constants(w)
-        sig = (x.dtype, y.dtype, y.device, x.shape[1:], y.shape[1:], x.stride(), y.stride(-1))
+        sig = (x.dtype, y.dtype, y.device, x.shape[1:], y.shape[1:], x.stride(), y.stride(-1),
+               x.device)
         seen = w.unshrunk_checked
         if (seen is not None and seen[0] is c and seen[1] == sig and layout is not None
                 and layout.num_rows == x.shape[0] == y.shape[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,7 +68,7 @@ def plan_segments(
     ``request_lens[i]`` rows belong to request ``i`` (one row each when omitted: a decode batch).
     Rows of ``skip_slot`` (the neutral slot) are kept in the permutation but get no block.
     """
-    check_block_m(block_m)
+    block_m = check_block_m(block_m)
     if request_lens is None:  # decode: one row a request, at most a few hundred
         plan = _plan_rows([int(s) for s in request_slots], block_m, skip_slot)
     else:
@@ -78,12 +79,16 @@ def plan_segments(
     return plan
 
 
-def check_block_m(block_m: int) -> None:
-    """Every LoRA kernel spans a block's rows with ``tl.arange(0, block_m)``: a power of two
-    (another one planned fine, then failed inside the kernel's compilation)."""
-    if block_m <= 0 or block_m & (block_m - 1):
+def check_block_m(block_m) -> int:
+    """``block_m`` as a Python int. Every LoRA kernel spans a block's rows with
+    ``tl.arange(0, block_m)``: a power of two (another one planned fine, then failed inside
+    the kernel's compilation), a Python int (a numpy one failed there too: "arange's
+    arguments must be of type tl.constexpr")."""
+    whole = isinstance(block_m, numbers.Integral) and not isinstance(block_m, bool)
+    if not whole or block_m <= 0 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a positive power of two (the LoRA kernels' row "
-                         f"blocks: 16 decode, 64 extend), got {block_m}")
+                         f"blocks: 16 decode, 64 extend), got {block_m!r}")
+    return int(block_m)
 
 
 def _plan_rows(slots: list[int], block_m: int, skip_slot: int | None) -> SegmentPlan:
@@ -271,7 +276,7 @@ class StaticSegmentLayout:
     def __init__(
         self, max_rows: int, num_slots: int, block_m: int, neutral_slot: int, device
     ) -> None:
-        check_block_m(block_m)
+        block_m = check_block_m(block_m)
         if max_rows < 0:  # torch.zeros named a "dimension size", not the argument
             raise ValueError(f"max_rows must be >= 0 (the rows of the largest batch), got "
                              f"{max_rows}")

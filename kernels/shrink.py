@@ -17,7 +17,14 @@ import triton.language as tl
 
 from kernels import config
 from kernels.block_rows import load_block, load_rank
-from kernels.checks import check, check_dtype, check_layout, check_weight_tables
+from kernels.checks import (
+    check,
+    check_dtype,
+    check_layout,
+    check_weight_tables,
+    checked_override,
+    is_whole,
+)
 from kernels.fast_launch import launch
 from kernels.segments import SegmentLayout
 from kernels.traced_op import traced_op
@@ -183,10 +190,12 @@ def _launch_shape(k: int, max_rank: int, num_blocks: int, num_slices: int, block
     """(block_k, splits, k_per_split, num_warps) of one launch: a function of shapes and of
     whether it runs eagerly (``config.shrink_split``), so it is computed once per shape (an
     error is raised every time: lru_cache keeps no exception)."""
+    check(split_k is None or (is_whole(split_k) and split_k >= 1),
+          lambda: f"split_k must be an integer >= 1 (None: the heuristic), got {split_k!r}")
+    split_k = None if split_k is None else int(split_k)
+    num_warps = checked_override("num_warps", num_warps)
     block_r = config.rank_block(max_rank)
-    block_k = block_k or config.shrink_k_block(block_r, k)
-    check(block_k >= 16 and block_k & (block_k - 1) == 0,
-          lambda: f"block_k must be a power of two >= 16, got {block_k}")
+    block_k = checked_override("block_k", block_k, least=16) or config.shrink_k_block(block_r, k)
     splits, k_per_split = config.shrink_split(k, block_k, num_blocks * num_slices, device,
                                               split_k, eager)
     return block_k, splits, k_per_split, num_warps or config.num_warps(block_m, block_r)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.checks import check, check_rows_disjoint
+from kernels.checks import check, check_rows_disjoint, checked_override
 from kernels.expand import (
     add_tiles,
     check_expand_args,
@@ -199,11 +199,9 @@ def _checked_tail(x: torch.Tensor, weights: LoRAWeights, y: torch.Tensor,
     num_groups, block_n, tiles, num_warps = launch_shape(
         w.slice_widths, layout.block_m, layout.block_slots.shape[0], w.max_rank, y.device,
         tiles, block_n, None, one_launch=True)
-    block_k = block_k or config.one_launch_k_block(
+    block_k = checked_override("block_k", block_k, least=16) or config.one_launch_k_block(
         config.rank_block(w.max_rank), layout.block_m, x.shape[1], x.element_size(),
         layout.block_slots.shape[0] * num_groups, y.device)
-    check(block_k >= 16 and block_k & (block_k - 1) == 0,
-          lambda: f"block_k must be a power of two >= 16, got {block_k}")
     tail = (w.ranks, w.scalings, w.slice_offsets, layout.permutation, layout.block_slots,
             layout.block_starts, layout.block_ends, layout.block_m, num_groups, block_n,
             block_k, tiles, num_warps, w.column_align)

@@ -16,6 +16,7 @@ columns must hold finite values (0 * inf is NaN): the allocation and every slot 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -95,7 +96,8 @@ class LoRAWeights:
         dtype: torch.dtype,
         device,
     ) -> LoRAWeights:
-        _check_sizes(num_slots, max_rank, slice_widths)
+        num_slots, max_rank, slice_widths = _check_sizes(num_slots, max_rank, slice_widths)
+        in_features = _whole("in_features", in_features)
         if in_features < 1:
             raise ValueError(f"in_features must be >= 1, got {in_features}")
         s = len(slice_widths)
@@ -107,7 +109,10 @@ class LoRAWeights:
     def for_embedding(
         num_slots: int, vocab_size: int, hidden_size: int, max_rank: int, dtype, device
     ) -> LoRAWeights:
-        _check_sizes(num_slots, max_rank, [hidden_size])
+        num_slots, max_rank, (hidden_size,) = _check_sizes(num_slots, max_rank, [hidden_size])
+        vocab_size = _whole("vocab_size", vocab_size)
+        if vocab_size < 1:  # torch.zeros named a "dimension size", not the argument
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         a = torch.zeros(num_slots, vocab_size, max_rank, dtype=dtype, device=device)
         b = torch.zeros(num_slots, hidden_size, max_rank, dtype=dtype, device=device)
         return LoRAWeights(
@@ -115,13 +120,31 @@ class LoRAWeights:
         )
 
 
-def _check_sizes(num_slots: int, max_rank: int, slice_widths: Sequence[int]) -> None:
+def _check_sizes(num_slots, max_rank, slice_widths) -> tuple[int, int, list[int]]:
+    """The sizes as Python ints: a numpy max_rank (``np.max`` of ranks) was kept and failed
+    the first launch ("'numpy.int64' object has no attribute 'bit_length'")."""
+    num_slots, max_rank = _whole("num_slots", num_slots), _whole("max_rank", max_rank)
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     if max_rank < 1:
         raise ValueError(f"max_rank must be >= 1, got {max_rank}")
-    if not slice_widths or any(w <= 0 for w in slice_widths):
-        raise ValueError(f"slice widths must be positive, got {list(slice_widths)}")
+    widths = [_whole("slice widths", w, list(slice_widths)) for w in slice_widths]
+    if not widths or any(w <= 0 for w in widths):
+        raise ValueError(f"slice widths must be positive, got {widths}")
+    return num_slots, max_rank, widths
+
+
+def _whole(name: str, value, shown=None) -> int:
+    """``value`` as a Python int (numpy's and 0-d integer tensors taken), or an error naming
+    ``name`` where it is no integer (``shown``: the sequence holding it, named instead)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        what = "an integer" if shown is None else "integers"
+        raise ValueError(f"{name} must be {what}, got "
+                         f"{value if shown is None else shown!r}") from None
 
 
 def _tables(num_slots: int, slice_widths: Sequence[int], device):
