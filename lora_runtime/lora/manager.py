@@ -13,6 +13,7 @@ from torch import nn
 
 from kernels import LoRAWeights, SegmentSpec
 from kernels.checks import FLOAT_DTYPES
+from kernels.config import interpreted
 from lora_runtime.engine.forward_batch import ForwardBatch, ForwardMode, GatheredRows
 from lora_runtime.lora.adapters import AdapterError, LoRAAdapter, load_peft_adapter
 from lora_runtime.lora.backends import LoRAGraphBuffers, make_backend
@@ -272,7 +273,8 @@ class LoRAManager:
                              "or False")
         _check_name_type(name, "pin_adapter")
         if name not in self.adapters:
-            raise KeyError(f"adapter {name!r} is not loaded")
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(self.adapters)}); "
+                           "load it with load_adapter first")
         if pinned:
             self._check_room_to_pin(name)
             self._acquire({name}, protected=self._in_batch)
@@ -380,6 +382,11 @@ def _check_backend_dtype(backend: str, dtype: torch.dtype) -> None:
         raise ValueError(f"LoRAConfig(backend='triton') cannot serve a {dtype} model (its "
                          "kernels take fp16, bf16 or fp32): use LoRAConfig(backend='torch'), "
                          "or load the model in one of those dtypes")
+    if backend == "triton" and dtype == torch.bfloat16 and interpreted():
+        # The kernels refuse it at their first launch: mid-step, after the set-up.
+        raise ValueError("LoRAConfig(backend='triton') cannot serve a bf16 model under the "
+                         "Triton interpreter (TRITON_INTERPRET=1: its bf16 tl.dot is wrong): "
+                         "use LoRAConfig(backend='torch'), or load the model in fp16 or fp32")
 
 
 def _check_name_type(name, what: str) -> None:
