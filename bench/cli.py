@@ -50,10 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", choices=("auto", *PROFILES), default="auto",
                    help="auto: gpu when CUDA is available, else cpu. " + "; ".join(
                        f"{p.name}: {p.summary}" for p in PROFILES.values()))
-    p.add_argument("--filter", default="", metavar="REGEX",
+    # append: a second --filter kept only the last one's cases, silently.
+    p.add_argument("--filter", action="append", default=None, metavar="REGEX",
                    help="run the cases whose label matches (re.search), in every suite; "
                         "labels as printed by --list, e.g. 'kernels qkv_proj T=16 adapters=8 "
-                        "r=16' or 'model decode llama3-8b L=4 ctx=256 bs=8 adapters=4 r=16'")
+                        "r=16' or 'model decode llama3-8b L=4 ctx=256 bs=8 adapters=4 r=16'; "
+                        "repeated: the cases matching any")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     p.add_argument("--out", type=nonempty_path, default=None, metavar="DIR",
                    help="folder for this run's result files and report (default: a new "
@@ -63,7 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "results/<suite>-<device>.json")
     p.add_argument("--no-report", action="store_true", help="skip report.html")
     p.add_argument("--profiled-by", default=None, help=argparse.SUPPRESS)  # bench.profile's
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.filter = _any_of(args.filter or [])
+    return args
+
+
+def _any_of(patterns: list[str]) -> str:
+    """One regex matching what any of ``patterns`` matches (each checked alone first, so an
+    invalid one is named as given)."""
+    for pattern in patterns:
+        case_mod.select([], pattern)
+    return patterns[0] if len(patterns) == 1 else "|".join(f"(?:{p})" for p in patterns)
 
 
 def select(args, profile: str) -> dict[str, list]:

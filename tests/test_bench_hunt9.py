@@ -111,3 +111,15 @@ def test_the_range_table_sums_a_range_s_occurrences_into_one_section():
     assert sorted(h.split("  (")[0] for h in heads) == [
         "case a", "case a > replay", "case b", "case b > replay"], text
     assert all("3 times" in h for h in heads if "replay" in h), text
+
+
+def test_repeated_filters_select_the_cases_matching_any():
+    """``--filter A --filter B`` kept only B's cases, silently."""
+    from bench import cli
+
+    args = cli.parse_args(["--profile", "cpu", "--filter", "^kernels ", "--filter", "^idle "])
+    chosen = cli.select(args, "cpu")
+    assert set(chosen) == {"kernels", "idle"}, sorted(chosen)
+    assert cli.parse_args([]).filter == "" and cli.parse_args(["--filter", "x"]).filter == "x"
+    with pytest.raises(SystemExit, match=r"--filter '\(' is not a valid regex"):
+        cli.parse_args(["--filter", "^idle ", "--filter", "("])
