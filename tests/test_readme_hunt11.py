@@ -42,3 +42,18 @@ def test_a_bf16_model_under_the_interpreter_is_refused_by_a_triton_manager_at_co
         LoRAManager(model, LoRAConfig(2, 4, ("q_proj",), "triton"))
     assert not any(isinstance(m, LoRALayer) for m in model.modules())
     LoRAManager(model, LoRAConfig(2, 4, ("q_proj",), "torch"))  # the fix it names serves
+
+
+def test_an_empty_adapter_name_is_refused_leaving_the_pool_as_it_was():
+    from runtime_helpers import ALL_TARGETS, make_runtime
+
+    from lora_runtime.lora.adapters import AdapterError, random_adapter
+    from lora_runtime.model.config import tiny
+
+    cfg = tiny(1)
+    r = make_runtime(cfg, dtype=torch.float32, device=torch.device("cpu"), backend="torch",
+                     slots=2, max_rank=8, targets=ALL_TARGETS)
+    for name in ("", "  "):
+        with pytest.raises(AdapterError, match="must not be empty"):
+            r.lora.load_adapter(name, random_adapter(cfg, "a", 4, ALL_TARGETS, seed=1))
+    assert r.lora.adapters == {}

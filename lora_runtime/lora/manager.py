@@ -182,6 +182,9 @@ class LoRAManager:
             # slot's place in every batch with adapters.
             raise AdapterError(f"an adapter name must be a string, got {name!r}; name it as "
                                "requests will (adapter=None serves the base model)")
+        if not name.strip():  # read as "no adapter" by any truthiness test of a request's
+            raise AdapterError(f"an adapter name must not be empty, got {name!r}; name it as "
+                               "requests will (adapter=None serves the base model)")
         if name in self.adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
         if not isinstance(pinned, bool):  # "no" or "false" pinned it by truthiness
