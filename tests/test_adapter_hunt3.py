@@ -141,7 +141,8 @@ def test_failed_loads_leave_clock_version_and_slots_as_they_were():
         ("s", bad_shape, True, "lora_B has shape"),
         ("y", random_adapter(CFG, "y", 2), True, "cannot pin 'y'"),
         ("other", random_adapter(CFG, "other", 2), False, "already loaded"),
-        ("", None, False, "source must be"),
+        ("z", None, False, "source must be"),
+        ("", random_adapter(CFG, "e", 2), False, "must not be empty"),
     ]:
         with pytest.raises(AdapterError, match=words):
             r.lora.load_adapter(name, src, pinned=pinned)
