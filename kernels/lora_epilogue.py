@@ -144,26 +144,47 @@ def block_shrink(x_ptr, la_ptr, ranks_ptr, max_rank, sentinel, K, stride_xm, str
 
 
 @triton.jit
-def lora_delta(a, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn, stride_br,
-               slots, offs_n, n_mask, sl, max_rank,
-               NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_N]``: slice ``sl``'s LoRA term at B rows ``offs_n`` of rows whose
-    ``a`` is given (``block_a`` or ``block_shrink``; zero for rows without one). Each row's
-    value is its slot's ``scaling * dot``, as in the expand."""
+def _slot_dot(a, b_ptr, scale, rank, mine, offs_n, b_mask, offs_r, stride_bn, stride_br,
+              PRECISION: tl.constexpr):
+    """Slot-local ``scale * round(a) @ B^T`` for rows ``mine`` (zero elsewhere and for rank 0:
+    selected, so a rank-0 slice's NaN scaling or B never reaches the sum)."""
+    b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn, mask=b_mask,
+                other=0.0)
+    a = tl.where(mine[:, None] & (offs_r < rank)[None, :], a, 0.0).to(b.dtype)
+    return tl.where(rank > 0, scale * tl.dot(a, b, input_precision=PRECISION), 0.0)
+
+
+@triton.jit
+def lora_delta(y0, y1, a0, a1, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, stride_bn,
+               stride_br, slots, offs_n0, offs_n1, n_mask, sl0, max_rank, BOTH: tl.constexpr,
+               NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` pair: ``y0`` (the consumer's loaded tile, in fp32) plus slice
+    ``sl0``'s LoRA term at B rows ``offs_n0`` of rows whose ``a0`` is given (``block_a`` or
+    ``block_shrink``; zero for rows without one) and, with ``BOTH``, ``y1`` plus slice ``sl0 +
+    1``'s at ``offs_n1`` from ``a1`` (else ``y1``). Each row gets its slot's ``scaling * dot``
+    and exact zeros, so rounding the sum to ``y``'s dtype rounds as the expand does. The tiles
+    accumulate in place: no separate term tiles, whose registers cost the kernel occupancy.
+
+    One walk over the block's distinct slots serves both slices, and a step's loads (both
+    slices' ranks, scalings and B tiles) go out side by side: a step waits one load, not a
+    rank and then the B it gates. B is read for every slot but the neutral one (``sentinel -
+    1``, which has no B row) up to ``max_rank`` (a mask the compiler vectorizes), ``a`` zeroed
+    past the rank: B's columns there need only be finite (LoRAWeights' contract)."""
     offs_r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     cur = tl.min(slots, 0)
     while cur < sentinel:
-        rank = load_rank(ranks_ptr + cur * NUM_SLICES + sl, max_rank)
-        if rank > 0:
-            scale = tl.load(scal_ptr + cur * NUM_SLICES + sl)
-            # B read up to max_rank (a mask the compiler vectorizes), ``a`` zeroed past the
-            # rank: B's columns there need only be finite (LoRAWeights' contract).
-            b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-                        + offs_n[None, :] * stride_bn,
-                        mask=(offs_r < max_rank)[:, None] & n_mask[None, :], other=0.0)
-            mine = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], a, 0.0)
-            acc += scale * tl.dot(mine.to(b.dtype), b, input_precision=PRECISION)
+        b = b_ptr + cur.to(tl.int64) * stride_bs
+        b_mask = tl.where(cur < sentinel - 1, offs_r < max_rank, False)[:, None] & n_mask[None, :]
+        mine = slots == cur
+        tab = cur * NUM_SLICES + sl0
+        rank0 = load_rank(ranks_ptr + tab, max_rank)
+        scale0 = tl.load(scal_ptr + tab)
+        y0 += _slot_dot(a0, b, scale0, rank0, mine, offs_n0, b_mask, offs_r, stride_bn,
+                          stride_br, PRECISION)
+        if BOTH:
+            rank1 = load_rank(ranks_ptr + tab + 1, max_rank)
+            scale1 = tl.load(scal_ptr + tab + 1)
+            y1 += _slot_dot(a1, b, scale1, rank1, mine, offs_n1, b_mask, offs_r, stride_bn,
+                              stride_br, PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
-    return acc
+    return y0, y1

@@ -221,8 +221,9 @@ def rope_and_cache_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
           f"not q, k, v of {widths} columns")
     if not isinstance(lora, UnshrunkLoRA):
         if config.pending_by_windows(qkv, "rope"):
-            return rope_kv_lora_windows_op(qkv, positions, cos, sin, cache_loc, k_cache,
-                                           v_cache, heads, *lora.block_args())
+            return rope_kv_lora_windows_op(
+                qkv, positions, cos, sin, cache_loc, k_cache, v_cache, heads,
+                *lora.block_args(), config.wide_blocks(qkv.shape[0], lora.layout.block_m))
         if not config.pending_by_rows(qkv, "rope", lora.weights.max_rank,
                                       lora.weights.num_slots):
             # the separate expand, into a copy: qkv is an input

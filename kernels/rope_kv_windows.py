@@ -179,7 +179,7 @@ def rope_kv_lora_windows_op(
     ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, sentinel: int, s_sm: int,
     s_sr: int, s_bs: int, s_bn: int, s_br: int, la: torch.Tensor, K: int, s_as: int,
     s_ar: int, s_ak: int, NUM_SLICES: int, BLOCK_R: int, PRECISION: str, SHRINK: bool,
-    BLOCK_K: int,
+    BLOCK_K: int, wide: bool = False,
 ) -> torch.Tensor:
     """Rotated ``q``; k and v written to the caches. The term's arguments are
     ``kernels.row_lora.block_args``'s for a pending term (``src`` is ``a``; three slices)."""
@@ -189,14 +189,16 @@ def rope_kv_lora_windows_op(
     q = q_out(qkv, k_cache, heads)
     t, kv_heads, half = qkv.shape[0], k_cache.shape[1], k_cache.shape[2] // 2
     if t:
-        grid = (config.cdiv(t, FUSE_BLOCK_M), heads + kv_heads)
+        # Wide windows (extend layouts): more bytes a program for the same chain of loads.
+        window = config.ROPE_WIDE_WINDOW if wide else FUSE_BLOCK_M
+        grid = (config.cdiv(t, window), heads + kv_heads)
         launch(_rope_kv_lora_windows_kernel, grid,
             qkv, positions, cos, sin, cache_loc, q, k_cache, v_cache, t,
             src, b, perm, slots, ranks, scalings, heads, kv_heads, half,
             qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0),
             max_rank, sentinel, s_sm, s_sr, s_bs, s_bn, s_br,
-            BLOCK_M=FUSE_BLOCK_M, BLOCK_HALF=max(16, config.next_pow2(half)),
-            BLOCK_R=BLOCK_R, PRECISION=PRECISION, num_warps=4)
+            BLOCK_M=window, BLOCK_HALF=max(16, config.next_pow2(half)),
+            BLOCK_R=BLOCK_R, PRECISION=PRECISION, num_warps=max(4, window // 4))
     return q
 
 

@@ -80,12 +80,10 @@ def _silu_mul_lora_kernel(
         ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
         gate = tl.load(ptrs, mask=mask, other=0.0)
         up = tl.load(ptrs + inter, mask=mask, other=0.0)
-        gate = (gate.to(tl.float32) + lora_delta(a_g, *lora, offs, n_mask, 0, max_rank,
-                                                 NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                                                 PRECISION)).to(gate.dtype)
-        up = (up.to(tl.float32) + lora_delta(a_u, *lora, inter + offs, n_mask, 1, max_rank,
-                                             NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
-              ).to(gate.dtype)
+        g, u = lora_delta(gate.to(tl.float32), up.to(tl.float32), a_g, a_u, *lora, offs,
+                          inter + offs, n_mask, 0, max_rank, True, NUM_SLICES, BLOCK_R,
+                          PRECISION)
+        gate, up = g.to(gate.dtype), u.to(gate.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :],
@@ -193,8 +191,8 @@ def _silu_mul_lora_op(
     rows, inter = out.shape
     if rows:
         # An unshrunk term's windows are the layout's FUSE_BLOCK_M rows (its shrink's shape).
-        block_m, block_n, warps = (config.WIDE_BLOCK if wide and not SHRINK
-                                   else (FUSE_BLOCK_M, LORA_BLOCK_N, 4))
+        wide = wide and not SHRINK
+        block_m, block_n, warps = config.WIDE_BLOCK if wide else (FUSE_BLOCK_M, LORA_BLOCK_N, 4)
         block_n = min(block_n, config.next_pow2(inter))
         blocks, tiles = config.cdiv(rows, block_m), config.cdiv(inter, block_n)
         # A program that computes its block's shrink serves more columns with it.
@@ -206,7 +204,8 @@ def _silu_mul_lora_op(
             s_br, K, s_as, s_ar, s_ak, NUM_SLICES=NUM_SLICES, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_R=BLOCK_R, PRECISION=PRECISION, SHRINK=SHRINK,
             BLOCK_K=BLOCK_K, TILES=per_program,
-            num_warps=config.num_warps(FUSE_BLOCK_M, BLOCK_K) if SHRINK else warps)
+            num_warps=config.num_warps(FUSE_BLOCK_M, BLOCK_K) if SHRINK else warps,
+            **(config.wide_options() if wide else {}))
     return out
 
 

@@ -58,9 +58,10 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     """The program shape ``epilogue`` names at every row count, eager or not (an eager
     forward may otherwise take a pending term by rows: ``config.EAGER_EPILOGUE_MAX_ROWS``).
     "windows": RoPE's pending term by windows (``config.PENDING_WINDOWS_MIN_ROWS``), which
-    every other shape leaves off; "blocks_wide": SwiGLU's by blocks of ``config.WIDE_BLOCK``
-    rows (several slots a block), which every other shape leaves off."""
-    windows = epilogue == "windows"
+    every other shape leaves off, "windows_wide" by windows of ``config.ROPE_WIDE_WINDOW``
+    rows; "blocks_wide": SwiGLU's by blocks of ``config.WIDE_BLOCK`` rows (several slots a
+    block), which every other shape leaves off."""
+    windows = epilogue.startswith("windows")
     monkeypatch.setattr(config, "ROW_EPILOGUE_MAX_ROWS",
                         EPILOGUES["blocks" if windows else epilogue.split("_")[0]])
     for limits in (config.PENDING_WINDOWS_MIN_ROWS, config.GRAPH_WINDOWS_MIN_ROWS):
@@ -68,9 +69,11 @@ def _force_epilogue(monkeypatch, epilogue: str) -> None:
     monkeypatch.setattr(config, "EAGER_EPILOGUE_MAX_ROWS", 10**9 * (epilogue == "rows"))
     blocks = epilogue == "unshrunk_blocks"
     monkeypatch.setattr(config, "unshrunk_by_blocks", lambda rows, consumer, seg: blocks)
-    monkeypatch.setattr(config, "wide_blocks", lambda rows, block_m: epilogue == "blocks_wide")
+    monkeypatch.setattr(config, "wide_blocks",
+                        lambda rows, block_m: epilogue in ("blocks_wide", "windows_wide"))
     # 32-row wide blocks: a draw's 1-40 rows then span one or two blocks of several slots.
     monkeypatch.setattr(config, "WIDE_BLOCK", (32, *config.WIDE_BLOCK[1:]))
+    monkeypatch.setattr(config, "ROPE_WIDE_WINDOW", 32)
 
 
 def _tol_against_separate(dtype, epilogue: str, k: int) -> float:
@@ -217,7 +220,7 @@ def _rope_f64(x, pos, cos, sin):
     return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1)
 
 
-@pytest.mark.parametrize("epilogue", [*EPILOGUES, "windows"])
+@pytest.mark.parametrize("epilogue", [*EPILOGUES, "windows", "windows_wide"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @settings(max_examples=ROPE_EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
@@ -270,7 +273,7 @@ def test_rope_with_the_qkv_term_matches_expand_then_rope(monkeypatch, epilogue, 
     assert rel_err(k_got[loc], _rope_f64(k64.reshape(t, kv_heads, head_dim), pos, cos, sin)) \
         <= 4 * TOL[dtype]
     assert rel_err(v_got[loc], v64.reshape(t, kv_heads, head_dim)) <= 4 * TOL[dtype]
-    assert len(by_windows) == (epilogue == "windows")
+    assert len(by_windows) == epilogue.startswith("windows")
 
 
 @pytest.mark.parametrize("epilogue", ["rows", "unshrunk", "windows", "unshrunk_windows",
