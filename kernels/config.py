@@ -256,11 +256,12 @@ stream), 16 x 128 / 64 x 64 / 32 x 128: 256 tokens 62.3 / 59.3 / 57.5 us, 1024 t
 8 warps lost at 256 tokens."""
 
 
-WIDE_MAXNREG = _int_env("MULTILORA_WIDE_MAXNREG", "128")
+WIDE_MAXNREG = _int_env("MULTILORA_WIDE_MAXNREG", "0")
 """Registers a thread of SwiGLU's wide-block program may use (0: the compiler's choice). These
 programs are bandwidth-bound, and what they hold in flight is what the register file lets
 resident: sm_90, 32 x 128 over 4 warps, the compiler takes 133 a thread (3 programs an SM);
-128 fits 4, for 16 bytes of spills. Read at import; A/B runs set it."""
+128 fits 4, for 16 bytes of spills (ptxas; not yet timed on a GPU, so off by default). Read
+at import; A/B runs set it."""
 
 
 def wide_options() -> dict:
@@ -268,11 +269,13 @@ def wide_options() -> dict:
     return {"maxnreg": WIDE_MAXNREG} if WIDE_MAXNREG > 0 else {}
 
 
-ROPE_WIDE_WINDOW = _int_env("MULTILORA_ROPE_WIDE_WINDOW", "32")
+ROPE_WIDE_WINDOW = _int_env("MULTILORA_ROPE_WIDE_WINDOW", "16")
 """RoPE adds a pending term by windows of this many permuted rows (a power of two, >= 16;
 ``rows / 4`` warps) where ``wide_blocks`` holds (extend layouts of long segments), by
 ``FUSE_BLOCK_M`` rows over 4 warps elsewhere (decode rows of many adapters put more slots in a
-wider window, which it walks in sequence). Read at import; A/B runs set it."""
+wider window, which it walks in sequence). 32 and 64 read B's head tiles half or a quarter as
+often for the same registers per byte in flight (ptxas: 121 at 32 over 8 warps, 108 at 64
+over 16); not yet timed on a GPU, so 16 by default. Read at import; A/B runs set it."""
 if ROPE_WIDE_WINDOW < 16 or ROPE_WIDE_WINDOW & (ROPE_WIDE_WINDOW - 1):
     raise ValueError(f"MULTILORA_ROPE_WIDE_WINDOW={ROPE_WIDE_WINDOW}: give a power of two >= 16 "
                      "(tl.dot's rows), e.g. MULTILORA_ROPE_WIDE_WINDOW=64")
