@@ -263,6 +263,10 @@ resident: sm_90, 32 x 128 over 4 warps, the compiler takes 133 a thread (3 progr
 128 fits 4, for 16 bytes of spills (ptxas; not yet timed on a GPU, so off by default). Read
 at import; A/B runs set it."""
 
+if WIDE_MAXNREG != 0 and not 32 <= WIDE_MAXNREG <= 255:
+    raise ValueError(f"MULTILORA_WIDE_MAXNREG={WIDE_MAXNREG}: give 0 (the compiler's choice) or "
+                     "a register count from 32 to 255, e.g. MULTILORA_WIDE_MAXNREG=128")
+
 
 def wide_options() -> dict:
     """Launch options of a wide-block consumer program."""

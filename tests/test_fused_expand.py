@@ -212,6 +212,38 @@ def test_wide_blocks_only_for_extend_layouts():
     assert not config.wide_blocks(4 * at, 16)
 
 
+@pytest.mark.parametrize("maxnreg", [0, 128])
+def test_wide_blocks_launch_with_the_register_cap(monkeypatch, maxnreg):
+    """``config.WIDE_MAXNREG`` reaches the wide-block SwiGLU launch (0: no cap passed), and
+    never the 16-row blocks' launch; the result is the separate expand's either way."""
+    monkeypatch.setattr(config, "WIDE_MAXNREG", maxnreg)
+    launches = []
+    real = silu_module.launch
+
+    def recorded(kernel, grid, *args, **kwargs):
+        launches.append((kwargs.get("BLOCK_M"), kwargs.get("maxnreg")))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(silu_module, "launch", recorded)
+    g = torch.Generator().manual_seed(3)
+    inter, slots, r, k = 64, 3, 16, 32
+    w = _weights(g, slots, k, [inter, inter], r, torch.float32)
+    plan = plan_segments([0, 1, 2], [40, 30, 20], block_m=64, skip_slot=slots)
+    layout = SegmentLayout.from_plan(plan, DEVICE)
+    x = torch.randn(90, k, generator=g).to(DEVICE)
+    lora = PendingLoRA(lora_shrink(x, w, layout), w, layout)
+    y = torch.randn(90, 2 * inter, generator=g).to(DEVICE)
+    want = silu_mul(lora.apply(y.clone()))
+    for wide in (True, False):
+        monkeypatch.setattr(config, "wide_blocks", lambda rows, block_m, wide=wide: wide)
+        launches.clear()
+        got = silu_mul(y, lora)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        blocks = [(m, n) for m, n in launches if m is not None]
+        cap = maxnreg if wide and maxnreg else None
+        assert blocks == [(config.WIDE_BLOCK[0] if wide else 16, cap)], launches
+
+
 def _rope_f64(x, pos, cos, sin):
     """Rotate-half RoPE in float64 from the tables' first half: x [T, H, D]."""
     half = x.shape[-1] // 2

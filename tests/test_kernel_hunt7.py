@@ -73,6 +73,12 @@ def test_bf16_weights_into_a_float32_output_are_refused_under_the_interpreter():
     # over the rank chunk).
     ("MULTILORA_ROW_SHRINK_ELEMENTS", "12288", "MULTILORA_ROW_SHRINK_ELEMENTS=12288: give a "
      "power of two"),
+    # tl.dot's rows and tl.arange both need a power of two from 16.
+    ("MULTILORA_ROPE_WIDE_WINDOW", "24", "MULTILORA_ROPE_WIDE_WINDOW=24: give a power of two"),
+    ("MULTILORA_ROPE_WIDE_WINDOW", "8", "MULTILORA_ROPE_WIDE_WINDOW=8: give a power of two"),
+    # ptxas takes a register cap it cannot meet, or none past 255.
+    ("MULTILORA_WIDE_MAXNREG", "300", "MULTILORA_WIDE_MAXNREG=300: give 0"),
+    ("MULTILORA_WIDE_MAXNREG", "-1", "MULTILORA_WIDE_MAXNREG=-1: give 0"),
 ])
 def test_a_bad_tuning_variable_is_named_at_import(env, value, says):
     import os
