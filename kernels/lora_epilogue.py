@@ -180,11 +180,11 @@ def lora_delta(y0, y1, a0, a1, b_ptr, ranks_ptr, scal_ptr, sentinel, stride_bs, 
         rank0 = load_rank(ranks_ptr + tab, max_rank)
         scale0 = tl.load(scal_ptr + tab)
         y0 += _slot_dot(a0, b, scale0, rank0, mine, offs_n0, b_mask, offs_r, stride_bn,
-                          stride_br, PRECISION)
+                        stride_br, PRECISION)
         if BOTH:
             rank1 = load_rank(ranks_ptr + tab + 1, max_rank)
             scale1 = tl.load(scal_ptr + tab + 1)
             y1 += _slot_dot(a1, b, scale1, rank1, mine, offs_n1, b_mask, offs_r, stride_bn,
-                              stride_br, PRECISION)
+                            stride_br, PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, sentinel), 0)
     return y0, y1

@@ -71,9 +71,10 @@ def _add_rms_norm_lora_windows_kernel(
         n_mask = offs < cols
         mask = m_mask[:, None] & n_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
-        t, _ = lora_delta(x.to(tl.float32), x.to(tl.float32), a, a, *lora, offs, offs, n_mask,
-                          0, max_rank, False, 1, BLOCK_R, PRECISION)
-        x = t.to(x.dtype)
+        xf = x.to(tl.float32)
+        xf, _ = lora_delta(xf, xf, a, a, *lora, offs, offs, n_mask, 0, max_rank, False, 1,
+                           BLOCK_R, PRECISION)
+        x = xf.to(x.dtype)
         r = tl.load(res_ptr + rows[:, None] * stride_r + offs[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + rows[:, None] * stride_s + offs[None, :], x, mask=mask)
