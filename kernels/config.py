@@ -31,6 +31,14 @@ def _int_env(env: str, default: str) -> int:
         raise ValueError(f"{env}={text!r}: give an integer, e.g. {env}={default}") from None
 
 
+def _pow2_env(env: str, default: str) -> int:
+    """``_int_env`` for a variable that must be a power of two >= 16 (a kernel's block)."""
+    value = _int_env(env, default)
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{env}={value}: give a power of two >= 16, e.g. {env}={default}")
+    return value
+
+
 @functools.cache
 def interpreted() -> bool:
     """Read once: Triton picks the interpreter when a kernel is decorated, at import."""
@@ -259,7 +267,7 @@ stream), 16 x 128 / 64 x 64 / 32 x 128: 256 tokens 62.3 / 59.3 / 57.5 us, 1024 t
 WIDE_MAXNREG = _int_env("MULTILORA_WIDE_MAXNREG", "0")
 """Registers a thread of SwiGLU's wide-block program may use (0: the compiler's choice). These
 programs are bandwidth-bound, and what they hold in flight is what the register file lets
-resident: sm_90, 32 x 128 over 4 warps, the compiler takes 133 a thread (3 programs an SM);
+resident: sm_90, 32 x 128 over 4 warps, the compiler takes 133-134 a thread (3 programs an SM);
 128 fits 4, for 16 bytes of spills (ptxas; not yet timed on a GPU, so off by default). Read
 at import; A/B runs set it."""
 
@@ -273,16 +281,13 @@ def wide_options() -> dict:
     return {"maxnreg": WIDE_MAXNREG} if WIDE_MAXNREG > 0 else {}
 
 
-ROPE_WIDE_WINDOW = _int_env("MULTILORA_ROPE_WIDE_WINDOW", "16")
+ROPE_WIDE_WINDOW = _pow2_env("MULTILORA_ROPE_WIDE_WINDOW", "16")  # tl.dot's rows
 """RoPE adds a pending term by windows of this many permuted rows (a power of two, >= 16;
 ``rows / 4`` warps) where ``wide_blocks`` holds (extend layouts of long segments), by
 ``FUSE_BLOCK_M`` rows over 4 warps elsewhere (decode rows of many adapters put more slots in a
 wider window, which it walks in sequence). 32 and 64 read B's head tiles half or a quarter as
 often for the same registers per byte in flight (ptxas: 121 at 32 over 8 warps, 108 at 64
 over 16); not yet timed on a GPU, so 16 by default. Read at import; A/B runs set it."""
-if ROPE_WIDE_WINDOW < 16 or ROPE_WIDE_WINDOW & (ROPE_WIDE_WINDOW - 1):
-    raise ValueError(f"MULTILORA_ROPE_WIDE_WINDOW={ROPE_WIDE_WINDOW}: give a power of two >= 16 "
-                     "(tl.dot's rows), e.g. MULTILORA_ROPE_WIDE_WINDOW=64")
 
 
 PENDING_SILU_TILES = _int_env("MULTILORA_PENDING_SILU_TILES", "1")
@@ -334,16 +339,13 @@ def eager(x: torch.Tensor) -> bool:
                                   and torch.cuda.is_current_stream_capturing())
 
 
-ROW_SHRINK_ELEMENTS = _int_env("MULTILORA_ROW_SHRINK_ELEMENTS", "16384")
+# Kernels span its K step (this over the rank chunk) and warps with it: a power of two.
+ROW_SHRINK_ELEMENTS = _pow2_env("MULTILORA_ROW_SHRINK_ELEMENTS", "16384")
 """A elements a by-rows consumer's shrink loads a step (read at import). Each step is a
 dependent load of one program, so the step count sets the shrink's latency: H200, eager
 4-layer forward, 16 adapters r=16, bs 1, with 4096: the residual add + RMSNorm with the term
 54 us a call (down's K of 14336 in 56 steps), SwiGLU 40 us, RoPE 25 us; see
 docs/perf-notes.md for 16384."""
-if ROW_SHRINK_ELEMENTS < 16 or ROW_SHRINK_ELEMENTS & (ROW_SHRINK_ELEMENTS - 1):
-    # Kernels span its K step (this over the rank chunk) and warps with it: a power of two.
-    raise ValueError(f"MULTILORA_ROW_SHRINK_ELEMENTS={ROW_SHRINK_ELEMENTS}: give a power of two "
-                     ">= 16, e.g. MULTILORA_ROW_SHRINK_ELEMENTS=16384")
 
 
 ROW_RANK_CHUNK = 16
