@@ -90,6 +90,16 @@ SHRINK_PROGRAMS = _int_env("MULTILORA_SHRINK_PROGRAMS", "0")
 """Programs the shrink's K split aims for (0: ``programs_wanted``). Read at import; A/B runs."""
 
 
+SHRINK_JOINT_MIN_ROWS = _int_env("MULTILORA_SHRINK_JOINT_MIN_ROWS", str(sys.maxsize))
+"""A shrink of several slices (qkv, gate_up) over an extend layout of at least this many rows
+runs one program a block for all slices, so each x tile is read once instead of once a slice
+(read at import; the default, a huge value: never, until timed on a GPU)."""
+
+
+def joint_shrink(rows: int, layout_block_m: int, num_slices: int) -> bool:
+    return num_slices > 1 and rows >= SHRINK_JOINT_MIN_ROWS and layout_block_m >= 64
+
+
 EAGER_SHRINK_SPLITS = _int_env("MULTILORA_EAGER_SHRINK_SPLITS", "1")
 """At most this many K splits for a shrink launched eagerly on a GPU (0: no limit; read at
 import). A split shrink adds into a zeroed output: one memset launch more, and an eager

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.block_rows import load_block, load_rank
+from kernels.block_rows import clamp_rank, load_block, load_rank
 from kernels.checks import (
     check,
     check_dtype,
@@ -62,19 +62,30 @@ def _shrink_kernel(
     stride_as, stride_ar, stride_ak,
     stride_om, stride_or,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, JOINT: tl.constexpr,
 ):
+    """A program per (block, slice, K split); ``JOINT``: per (block, -, K split), its
+    ``BLOCK_R`` columns spanning every slice, so x's tile is read once for all slices."""
     blk = tl.program_id(0)
     sl = tl.program_id(1)
     split = tl.program_id(2)
     slot, rows, m_mask, empty = load_block(perm_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
                                            blk, BLOCK_M)
-    rank = load_rank(ranks_ptr + slot * NUM_SLICES + sl, max_rank)
-    if (rank == 0) | empty:
-        return
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    a_rows = sl * max_rank + offs_r
+    if JOINT:
+        a_rows = offs_r
+        in_cols = offs_r < NUM_SLICES * max_rank
+        col_slice = tl.where(in_cols, offs_r // max_rank, 0)
+        rank = clamp_rank(tl.load(ranks_ptr + slot * NUM_SLICES + col_slice), max_rank)
+        r_mask = in_cols & (offs_r - col_slice * max_rank < rank)
+        if (tl.max(r_mask.to(tl.int32), axis=0) == 0) | empty:
+            return
+    else:
+        rank = load_rank(ranks_ptr + slot * NUM_SLICES + sl, max_rank)
+        if (rank == 0) | empty:
+            return
+        r_mask = offs_r < rank
+        a_rows = sl * max_rank + offs_r
     acc = shrink_rows(x_ptr, a_ptr, rows, m_mask, slot, a_rows, r_mask, K, split * k_per_split,
                       k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
                       BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
@@ -91,17 +102,17 @@ def _shrink_op(
     x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, permutation: torch.Tensor,
     block_slots: torch.Tensor, block_starts: torch.Tensor, block_ends: torch.Tensor,
     block_m: int, num_slices: int, splits: int, k_per_split: int, block_k: int, num_warps: int,
-    tail: int,
+    tail: int, joint: bool,
 ) -> torch.Tensor:
     """``[rows, slices * max_rank + tail]``: the shrink's columns, then ``tail`` zeros."""
     t, k = x.shape
     alloc = torch.zeros if splits > 1 or tail else torch.empty
     out = alloc(t, lora_a.shape[1] + tail, dtype=torch.float32, device=x.device)
     max_rank = lora_a.shape[1] // num_slices
-    grid = (block_slots.shape[0], num_slices, splits)
+    grid = (block_slots.shape[0], 1 if joint else num_slices, splits)
     if t == 0 or grid[0] == 0:
         return out
-    block_r = config.rank_block(max_rank)
+    block_r = config.rank_block(lora_a.shape[1] if joint else max_rank)
     launch(_shrink_kernel, grid,
         x, lora_a, out, permutation, block_slots, block_starts, block_ends, ranks,
         k, max_rank, k_per_split,
@@ -109,7 +120,7 @@ def _shrink_op(
         *lora_a.stride(),
         *out.stride(),
         NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        ATOMIC=splits > 1, PRECISION=config.dot_precision(x.dtype),
+        ATOMIC=splits > 1, PRECISION=config.dot_precision(x.dtype), JOINT=joint,
         num_warps=num_warps,
     )
     return out
@@ -117,7 +128,7 @@ def _shrink_op(
 
 @_shrink_op.register_fake
 def _(x, lora_a, ranks, permutation, block_slots, block_starts, block_ends,
-      block_m, num_slices, splits, k_per_split, block_k, num_warps, tail):
+      block_m, num_slices, splits, k_per_split, block_k, num_warps, tail, joint):
     return x.new_empty(x.shape[0], lora_a.shape[1] + tail, dtype=torch.float32)
 
 
@@ -147,13 +158,17 @@ def lora_shrink_with_delta(x: torch.Tensor, weights: LoRAWeights,
 
 def _shrink(x, weights, layout, tail, split_k, block_k, num_warps) -> torch.Tensor:
     check_shrink_args(x, weights, layout, "lora_shrink")
+    joint = config.joint_shrink(x.shape[0], layout.block_m, weights.num_slices)
+    # A joint program's columns are every slice's: (slices * max_rank) wide, one slice.
+    cols, slices = ((weights.num_slices * weights.max_rank, 1) if joint
+                    else (weights.max_rank, weights.num_slices))
     block_k, splits, k_per_split, num_warps = _launch_shape(
-        x.shape[1], weights.max_rank, layout.block_slots.shape[0], weights.num_slices,
-        layout.block_m, x.device, split_k, block_k, num_warps, config.eager(x))
+        x.shape[1], cols, layout.block_slots.shape[0], slices, layout.block_m, x.device,
+        split_k, block_k, num_warps, config.eager(x))
     return _shrink_op(
         x, weights.lora_a, weights.ranks, layout.permutation, layout.block_slots,
         layout.block_starts, layout.block_ends, layout.block_m, weights.num_slices, splits,
-        k_per_split, block_k, num_warps, tail,
+        k_per_split, block_k, num_warps, tail, joint,
     )
 
 
@@ -184,17 +199,18 @@ def check_shrink_args(x: torch.Tensor, weights: LoRAWeights, layout: SegmentLayo
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_shape(k: int, max_rank: int, num_blocks: int, num_slices: int, block_m: int,
+def _launch_shape(k: int, cols: int, num_blocks: int, num_slices: int, block_m: int,
                   device: torch.device, split_k: int | None, block_k: int | None,
                   num_warps: int | None, eager: bool = False) -> tuple[int, int, int, int]:
-    """(block_k, splits, k_per_split, num_warps) of one launch: a function of shapes and of
+    """(block_k, splits, k_per_split, num_warps) of one launch of ``num_slices`` programs a
+    block, each of ``cols`` output columns: a function of shapes and of
     whether it runs eagerly (``config.shrink_split``), so it is computed once per shape (an
     error is raised every time: lru_cache keeps no exception)."""
     check(split_k is None or (is_whole(split_k) and split_k >= 1),
           lambda: f"split_k must be an integer >= 1 (None: the heuristic), got {split_k!r}")
     split_k = None if split_k is None else int(split_k)
     num_warps = checked_override("num_warps", num_warps)
-    block_r = config.rank_block(max_rank)
+    block_r = config.rank_block(cols)
     block_k = checked_override("block_k", block_k, least=16) or config.shrink_k_block(block_r, k)
     splits, k_per_split = config.shrink_split(k, block_k, num_blocks * num_slices, device,
                                               split_k, eager)

@@ -3,6 +3,8 @@ rank-0 slots, empty blocks, permuted rows, padding rows and zero-row batches."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES
@@ -14,10 +16,12 @@ from kernel_cases import defined_mask, embedding_cases, linear_cases, plan_is_va
 from kernels import (
     LoRAWeights,
     SegmentLayout,
+    config,
     lora_embedding_shrink,
     lora_expand,
     lora_shrink,
     lora_shrink_expand,
+    lora_shrink_with_delta,
     plan_segments,
 )
 from kernels.reference import embedding_shrink_reference, expand_reference, shrink_reference
@@ -70,6 +74,30 @@ def test_shrink_then_expand_matches_float64(provider, dtype, data):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @given(data=st.data())
+def test_joint_shrink_matches_float64_and_leaves_undefined_columns_alone(dtype, data):
+    """One program a block for every slice (``config.joint_shrink``): each slice's columns
+    masked by that slice's own rank, a block of rank-0 slices only writing nothing."""
+    case = data.draw(linear_cases(dtype, DEVICE))
+    rows, k = len(case.token_slots), case.weights.lora_a.shape[2]
+    x = _input(rows, k, dtype, data.draw(st.integers(0, 2**31)))
+    with mock.patch.object(config, "joint_shrink", lambda rows, block_m, slices: True):
+        joint = lora_shrink(x, case.weights, case.layout, case.split_k, case.block_k)
+        zeroed, _ = lora_shrink_with_delta(x, case.weights, case.layout)  # output starts zeroed
+    defined = defined_mask(case).to(DEVICE)
+    ref = torch.zeros(joint.shape, dtype=torch.float64)
+    mag = torch.zeros_like(ref)
+    for t, slot in enumerate(case.token_slots):
+        if slot < case.weights.num_slots:
+            ref[t] = case.weights.lora_a[slot].double().cpu() @ x[t].double().cpu()
+            mag[t] = case.weights.lora_a[slot].double().abs().cpu() @ x[t].double().abs().cpu()
+    err = (joint[defined].double().cpu() - ref[defined.cpu()]).norm().item()
+    assert err <= TOL[dtype] * mag[defined.cpu()].norm().item() + 1e-300, "joint shrink output"
+    assert torch.allclose(zeroed[defined], joint[defined], rtol=1e-2, atol=1e-3)
+    assert not zeroed[~defined].any(), "a joint program wrote past a slice's rank"
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@given(data=st.data())
 def test_one_launch_matches_float64_and_the_two_launches(dtype, data):
     case = data.draw(linear_cases(dtype, DEVICE))
     rows, k = len(case.token_slots), case.weights.lora_a.shape[2]
@@ -93,7 +121,6 @@ def test_one_launch_matches_float64_and_the_two_launches(dtype, data):
 
 
 def test_the_one_launch_k_step_widens_only_for_one_wave_within_shared_memory(monkeypatch):
-    from kernels import config
 
     monkeypatch.setattr(config, "programs_wanted", lambda device: 4 * 132)
     cuda = torch.device("cuda")
