@@ -31,11 +31,13 @@ def _int_env(env: str, default: str) -> int:
         raise ValueError(f"{env}={text!r}: give an integer, e.g. {env}={default}") from None
 
 
-def _pow2_env(env: str, default: str) -> int:
-    """``_int_env`` for a variable that must be a power of two >= 16 (a kernel's block)."""
+def _pow2_env(env: str, default: str, most: int | None = None) -> int:
+    """``_int_env`` for a variable that must be a power of two >= 16 (a kernel's block), at
+    most ``most`` where given."""
     value = _int_env(env, default)
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"{env}={value}: give a power of two >= 16, e.g. {env}={default}")
+    if value < 16 or value & (value - 1) or (most is not None and value > most):
+        upto = "" if most is None else f" and at most {most}"
+        raise ValueError(f"{env}={value}: give a power of two >= 16{upto}, e.g. {env}={default}")
     return value
 
 
@@ -96,8 +98,16 @@ runs one program a block for all slices, so each x tile is read once instead of 
 (read at import; the default, a huge value: never, until timed on a GPU)."""
 
 
-def joint_shrink(rows: int, layout_block_m: int, num_slices: int) -> bool:
-    return num_slices > 1 and rows >= SHRINK_JOINT_MIN_ROWS and layout_block_m >= 64
+def joint_shrink(rows: int, layout_block_m: int, num_slices: int, max_rank: int,
+                 elt: int) -> bool:
+    """Hazard: the joint program's A tile (``rank_block(num_slices * max_rank)`` rows of a
+    ``shrink_k_block`` step, 64 columns past 128 rows) of ``elt``-byte elements must fit an
+    SM's shared memory over the compiler's pipeline stages. sm_90, 64-row blocks, qkv: r=128
+    fp16 (512 rows) 216 KB; r=256 fp16 (1,024) 408 KB and r=128 fp32 (512) 288 KB, against
+    227 KB an SM, fail to launch ("out of resource: shared memory"): wider weights keep a
+    program a slice."""
+    return (num_slices > 1 and rows >= SHRINK_JOINT_MIN_ROWS and layout_block_m >= 64
+            and rank_block(num_slices * max_rank) * elt <= 1024)
 
 
 EAGER_SHRINK_SPLITS = _int_env("MULTILORA_EAGER_SHRINK_SPLITS", "1")
@@ -291,9 +301,10 @@ def wide_options() -> dict:
     return {"maxnreg": WIDE_MAXNREG} if WIDE_MAXNREG > 0 else {}
 
 
-ROPE_WIDE_WINDOW = _pow2_env("MULTILORA_ROPE_WIDE_WINDOW", "16")  # tl.dot's rows
-"""RoPE adds a pending term by windows of this many permuted rows (a power of two, >= 16;
-``rows / 4`` warps) where ``wide_blocks`` holds (extend layouts of long segments), by
+# tl.dot's rows; ``rows / 4`` warps, at most 32 a program (256 rows failed in ptxas).
+ROPE_WIDE_WINDOW = _pow2_env("MULTILORA_ROPE_WIDE_WINDOW", "16", most=128)
+"""RoPE adds a pending term by windows of this many permuted rows (a power of two from 16 to
+128; ``rows / 4`` warps) where ``wide_blocks`` holds (extend layouts of long segments), by
 ``FUSE_BLOCK_M`` rows over 4 warps elsewhere (decode rows of many adapters put more slots in a
 wider window, which it walks in sequence). 32 and 64 read B's head tiles half or a quarter as
 often for the same registers per byte in flight (ptxas: 121 at 32 over 8 warps, 108 at 64

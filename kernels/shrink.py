@@ -158,7 +158,8 @@ def lora_shrink_with_delta(x: torch.Tensor, weights: LoRAWeights,
 
 def _shrink(x, weights, layout, tail, split_k, block_k, num_warps) -> torch.Tensor:
     check_shrink_args(x, weights, layout, "lora_shrink")
-    joint = config.joint_shrink(x.shape[0], layout.block_m, weights.num_slices)
+    joint = config.joint_shrink(x.shape[0], layout.block_m, weights.num_slices,
+                                weights.max_rank, x.element_size())
     # A joint program's columns are every slice's: (slices * max_rank) wide, one slice.
     cols, slices = ((weights.num_slices * weights.max_rank, 1) if joint
                     else (weights.max_rank, weights.num_slices))
