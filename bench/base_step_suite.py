@@ -127,7 +127,7 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
         finally:
             kv.free([s for r in reqs for s in r.kv_slots])
         reqs, batch = decode_batch(kv, case.batch_size, case.context, ctx.device)
-        try:
+        try:  # freed whatever happens: the run goes on to the next case of this cache
             got = graphs.replay(batch).clone()
             with use_base_backend(case.kernels):
                 want = runtimes.runner.forward_eager(batch)
@@ -135,13 +135,13 @@ def make_runner(todo: list[BaseStepCase], ctx: Context):
                                       case.layers)
             ref_err = check_decode_rows(runtimes.model, kv, reqs, got, dtype,
                                         f"{case.label}: graph replay")
+            replay = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))].replay
+            t = bench_time(replay, device=ctx.device, mode="events", reps=ctx.reps, warmup=3)
         except AssertionError as e:
-            kv.free([s for r in reqs for s in r.kv_slots])
             return [make_row(case, ctx.profile, {}, verification={"status": "failed",
                                                                   "error": str(e)})]
-        replay = graphs.graphs[(graphs.last_kind, graphs.buffers.bucket_for(batch))].replay
-        t = bench_time(replay, device=ctx.device, mode="events", reps=ctx.reps, warmup=3)
-        kv.free([s for r in reqs for s in r.kv_slots])
+        finally:
+            kv.free([s for r in reqs for s in r.kv_slots])
         f = runtimes.floor.us(case.batch_size, case.context, ctx.ceilings)
         derived = {**f, "floor_bytes": runtimes.floor.bytes(case.batch_size, case.context),
                    "pct_of_bytes_floor": 100 * f["bytes_floor_us"] / t.median_us,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 import time
 import traceback
@@ -75,7 +76,20 @@ def _any_of(patterns: list[str]) -> str:
     invalid one is named as given)."""
     for pattern in patterns:
         case_mod.select([], pattern)
-    return patterns[0] if len(patterns) == 1 else "|".join(f"(?:{p})" for p in patterns)
+    return patterns[0] if len(patterns) == 1 else "|".join(map(_scoped, patterns))
+
+
+_GLOBAL_FLAGS = re.compile(r"\(\?([aiLmsux]+)\)")
+
+
+def _scoped(pattern: str) -> str:
+    """``pattern`` as a group whose flags are its leading global ones (``(?i)``): past the
+    start of the joined regex, a global flag is an error."""
+    flags = ""
+    while m := _GLOBAL_FLAGS.match(pattern):
+        flags, pattern = flags + m[1], pattern[m.end():]
+    end = "\n" if "x" in flags else ""  # verbose: a comment would swallow the ")"
+    return f"(?{flags}:{pattern}{end})"
 
 
 def select(args, profile: str) -> dict[str, list]:

@@ -76,7 +76,7 @@ def run_rank(rank: int, size: int, opts: dict, out: str) -> None:
     elif "OMP_NUM_THREADS" not in os.environ:  # gloo ranks share the cores: split them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dtype = torch.bfloat16 if cuda else torch.float32
-    dp = init_dp(device)
+    dp = init_dp(device, opts.get("timeout_s"))  # spawned ranks: DP_TIMEOUT_S wins
     config = PRESETS[opts["preset"]](opts["layers"])
     rows = []
     for c in opts["cases"]:
@@ -383,6 +383,7 @@ def main(argv=None) -> int:
                      for a in args.adapters for load in args.loads]
     opts["profile"] = "gpu" if torch.cuda.is_available() else "cpu"
     opts["overlap"] = not args.serial
+    opts["timeout_s"] = args.timeout  # under torchrun no spawn passes it on
     if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
         size = int(os.environ["WORLD_SIZE"])
         if args.sizes not in (None, [size]):

@@ -121,8 +121,10 @@ class RuntimeCache:
 def run_case(case: ModelCase, ctx: Context, runtimes: RuntimeCache) -> list[dict]:
     rt = runtimes.get(case)
     rt.prime(case.batch_size)  # other requests of this shape: a stale refresh then shows
-    batches = {t: rt.batch(case.batch_size, t) for t in case.traffics}
+    batches = {}
     try:
+        for t in case.traffics:  # one by one: a batch that raises frees those built before
+            batches[t] = rt.batch(case.batch_size, t)
         try:
             checks = {t: _verify(case, rt, batch, reqs) for t, (batch, reqs) in
                       batches.items()}

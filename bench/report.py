@@ -121,25 +121,31 @@ def deltas(rows: list[dict], base_rows: list[dict]) -> tuple[str, list]:
     base = {(r.get("device"), results.row_id(r)): r for r in base_rows if _timed(r)}
     # A case of two devices is two lines and two bars: their names must differ.
     several = len({r.get("device") for r in rows}) > 1
-    pairs, cells, broken = [], [], 0
+
+    def name(r):
+        variant = " ".join(str(r.get(k)) for k in r["variant"])
+        return f"{r['label']} [{variant}]" + (
+            f" on {r.get('device') or 'unknown device'}" if several else "")
+
+    # A failed case is one row whose variant may match none of its timed rows (a model
+    # case's "all"): each of the case's rows timed in the baseline and not now fails now.
+    failing = {(r.get("device"), results.case_id(r)) for r in rows
+               if r["verification"]["status"] == "failed"}
+    timed = {(r.get("device"), results.row_id(r)) for r in rows if _timed(r)}
+    cells = [[name(b), table.fmt(b["stats"]["median_us"]), "failed", "-",
+              Markup('<span class="bad">FAILS NOW</span>')]
+             for (device, rid), b in base.items()
+             if (device, results.case_id(b)) in failing and (device, rid) not in timed]
+    pairs, broken = [], len(cells)
     for r in rows:
         b = base.get((r.get("device"), results.row_id(r)))
-        if b is None:
-            continue
-        variant = " ".join(str(r.get(k)) for k in r["variant"])
-        name = f"{r['label']} [{variant}]" + (
-            f" on {r.get('device') or 'unknown device'}" if several else "")
-        if not _timed(r):
-            if r["verification"]["status"] == "failed":  # timed before, failing now
-                broken += 1
-                cells.append([name, table.fmt(b["stats"]["median_us"]), "failed", "-",
-                              Markup('<span class="bad">FAILS NOW</span>')])
+        if b is None or not _timed(r):
             continue
         ratio = r["stats"]["median_us"] / b["stats"]["median_us"]
-        pairs.append((name, ratio))
+        pairs.append((name(r), ratio))
         flag = ("REGRESSION" if ratio > REGRESSION else
                 "faster" if ratio < 1 / REGRESSION else "")
-        cells.append([name, table.fmt(b["stats"]["median_us"]),
+        cells.append([name(r), table.fmt(b["stats"]["median_us"]),
                       table.fmt(r["stats"]["median_us"]), f"{ratio:.3f}",
                       Markup(f'<span class="{"bad" if ratio > REGRESSION else ""}">{flag}</span>')])
     cells.sort(key=lambda c: -float(c[3]) if c[3] != "-" else -math.inf)

@@ -210,7 +210,7 @@ def dp(rows) -> list[go.Figure]:
         for variant in ("lora", "peers", "base") if r["adapters"] else ():
             us = r["derived"].get(f"idle_forward_{variant}_us")
             if _num(us):
-                idle_us[f"{variant} variant, {r['load']}{setup(r)}"].append((r["dp_size"], us))
+                idle_us[f"{variant} variant, {r['load']}, {lora}"].append((r["dp_size"], us))
     figs = [_lines(_fig("DP scaling: output tokens/s vs DP size", "DP size", "output tokens/s"),
                    dict(sorted(series.items())))]
     if idle_share:

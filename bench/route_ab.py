@@ -86,6 +86,12 @@ def _literal(text: str):
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise ValueError(f"{text!r} is not a Python literal (a number, a tuple, True)") from None
+    if isinstance(value, tuple):  # (33, 1e9) as (33, 1000000000), as 1e9 alone
+        return tuple(map(_integral, value))
+    return _integral(value)
+
+
+def _integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
@@ -122,8 +128,9 @@ def _checked_value(variant: str, lhs: str, knob: str, key: str | None, value):
                          f"{type(value).__name__}; it takes type {want.__name__} (default "
                          f"{current!r})")
     if want is tuple and [type(v) for v in value] != [type(v) for v in current]:
+        types = ", ".join(type(v).__name__ for v in current)
         raise ValueError(f"variant {variant!r}: {lhs}={value!r}: it takes {len(current)} "
-                         f"values like its default {current!r}")
+                         f"values of type {types} like its default {current!r}")
     return value
 
 
