@@ -24,6 +24,7 @@ from lora_runtime.engine.requests import (
     Request,
     build_decode,
     build_extend,
+    check_max_new_tokens,
     id_sequence,
     release,
 )
@@ -88,6 +89,12 @@ class Engine:
         ``overlap``: launch the next step before reading this one's tokens wherever no token
         but a stop token can change it (``_plan_ahead``), so the host prepares step n+1
         while the device runs step n."""
+        if not isinstance(runner, ModelRunner):
+            # A model or a KV cache in its place raised "... has no attribute 'lora'".
+            raise TypeError(f"Engine: runner must be a ModelRunner, got a "
+                            f"{type(runner).__name__}; build one as ModelRunner(model, "
+                            "KVCache(model.config, max_tokens, dtype, device), lora_manager or "
+                            "None)")
         self.runner, self.lora, self.kv = runner, runner.lora, runner.kv
         if config is not None and not isinstance(config, SchedulerConfig):
             # Engine(runner, graphs) was built, and its first add_request raised "'list' object
@@ -142,6 +149,8 @@ class Engine:
         """``add_request`` for each prompt with its adapter, all or none: every request is
         checked before any is queued."""
         check_batch_lists(prompts, adapters)
+        # Shared by every prompt: checked per request, it was blamed on "prompt 0".
+        check_max_new_tokens(max_new_tokens, "add_requests: ")
         reqs = []
         for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
             try:

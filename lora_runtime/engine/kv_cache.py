@@ -33,6 +33,9 @@ class KVCache:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        if not is_int(n) or n < 0:  # -2 returned no slot, 2.5 failed in a slice
+            raise ValueError(f"KVCache.alloc takes a number of slots (an integer >= 0), got "
+                             f"{n!r:.80}")
         if n > len(self._free):
             raise RuntimeError(f"KV cache full: {n} slots requested, {len(self._free)} free. "
                                "Finish requests or build the runtime with a larger max_tokens")
@@ -44,12 +47,17 @@ class KVCache:
         return out
 
     def free(self, slots: list[int]) -> None:
-        """Returns allocated slots; refuses (changing nothing) the scratch slot, a slot out of
-        range, one given twice or one already free."""
+        """Returns allocated slots; refuses (changing nothing) a slot that is not an integer,
+        the scratch slot, a slot out of range, one given twice or one already free."""
         slots = list(slots)
         given = set(slots)
         if not given:
             return
+        if not set(map(type, slots)) <= {int} and not all(map(is_int, slots)):
+            # 1.5 passed every check below: the free list grew past the cache, and alloc then
+            # handed out 1.5, read as slot 1, which another request held.
+            raise ValueError(f"KV slots must be integers, got "
+                             f"{[s for s in slots if not is_int(s)][:5]!r}")
         if self.SCRATCH in given:
             raise ValueError("slot 0 is the scratch slot and is never allocated")
         if min(given) < 1 or max(given) > self.max_tokens:

@@ -70,6 +70,13 @@ def id_sequence(label: str, ids, ordered: bool = True) -> list:
     return list(ids)
 
 
+def check_max_new_tokens(value, call: str = "") -> None:
+    """ValueError (prefixed with ``call``) unless ``value`` is an integer >= 1: a float budget
+    (4.5) would reserve a fractional KV budget and sample past it."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{call}max_new_tokens must be an integer >= 1, got {value!r}")
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
@@ -89,10 +96,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("a request needs a non-empty prompt")
-        # A float budget (4.5) would reserve a fractional KV budget and sample past it.
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got "
-                             f"{self.max_new_tokens!r}")
+        check_max_new_tokens(self.max_new_tokens)
         self.max_new_tokens = int(self.max_new_tokens)
         self.prompt = int_ids("prompt", self.prompt)
         self.stop_ids = tuple(int_ids("stop_ids", self.stop_ids))
@@ -142,8 +146,9 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
                  limits: Sequence[int] | None = None) -> ForwardBatch:
     """The tokens of each request not yet in the cache (a prefill, or a continuation); with
     ``limits``, at most ``limits[i]`` of them for request ``i`` (a chunk of a long prompt).
-    Raises, changing no request and no KV slot, where one has nothing to extend or the cache
-    cannot hold them all."""
+    Raises, changing no request and no KV slot, where one has nothing to extend, a limit is not
+    an integer >= 1, or the cache cannot hold them all."""
+    _check_limits(limits, len(reqs))
     ids, loc, kv_idx, prefixes, lens = [], [], [], [], []
     for i, r in enumerate(reqs):
         prefix = len(r.kv_slots)
@@ -180,6 +185,16 @@ def build_extend(reqs: Sequence[Request], kv: KVCache, device,
         ExtendAttention(t_req, t_kv, t_kv_req, t_kv_pos, t_q, t_kvs),
         tuple(r.adapter for r in reqs), tuple(lens),
     )
+
+
+def _check_limits(limits: Sequence[int] | None, n: int) -> None:
+    """``build_extend``'s chunk sizes: one integer >= 1 a request (a negative one cut the
+    prompt's last tokens off the chunk, silently; a short list raised IndexError)."""
+    if limits is None:
+        return
+    if len(limits) != n or not all(is_int(k) and k >= 1 for k in limits):
+        raise ValueError(f"limits must give each of the {n} requests a chunk size (an integer "
+                         f">= 1), got {list(limits)!r:.80}")
 
 
 def build_decode(reqs: Sequence[Request], kv: KVCache, device,
