@@ -55,7 +55,6 @@ class GraphRunner:
         self.runner, self.buffers = runner, buffers
         self.device = runner.device
         self.lora = runner.lora
-        self.dp = runner.dp
         self.graphs: dict[tuple[str, int], Replayable] = {}
         self.lora_buffers: LoRAGraphBuffers | None = None
         self.stats = GraphStats()
@@ -72,14 +71,21 @@ class GraphRunner:
         return GraphRunner(runner, PrefillBuffers(buckets, max_requests, max_prefix,
                                                   _device_of(runner)))
 
+    @property
+    def dp(self):
+        """The runner's DP group, read from the model (a graph runner built before
+        ``shard_mlp`` captured the sharded MLP as unsharded and failed inside it)."""
+        return self.runner.dp
+
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> GraphRunner:
         """Captures every bucket and variant; one that fails leaves no graph (``can_run`` is
-        False, so batches run eagerly) and no LoRA batch prepared."""
+        False, so batches run eagerly), no stats of them and no LoRA batch prepared."""
         try:
             return self._capture_all()
         except BaseException:
             self.graphs.clear()
+            self.stats = GraphStats()  # the failed attempt's times described no graph
             if self.lora is not None:
                 self.lora.reset_lora_batch()
             raise
@@ -189,6 +195,7 @@ class GraphRunner:
                              "that this rank's MLP shard serves: replay the step's agreed "
                              f"variant (variant_for(batch, True)), or leave variant unset")
         check_gathered(batch, self.dp)
+        _check_step_mode(batch, self.mode)
         if batch.gathered is not None and batch.gathered.rows_per_rank != self.buffers.rows(bucket):
             raise ValueError(f"the step agreed on {batch.gathered.rows_per_rank} rows per rank "
                              f"but bucket {bucket} holds {self.buffers.rows(bucket)}")
@@ -230,6 +237,18 @@ class GraphRunner:
             self.lora.prepare_for_capture(self.lora_buffers, rows, requests, local)
         else:
             self.lora.prepare_for_replay(self.lora_buffers, batch, rows, requests, local)
+
+
+def _check_step_mode(batch: ForwardBatch, mode: ForwardMode) -> None:
+    """Refuses, before any LoRA planning, a step whose gathered rows are of the other mode:
+    its gathered layout is planned in that mode's blocks, which this runner's static layout
+    does not hold (the refusal came after the plan had moved adapters into slots, as "plan
+    has block_m=64, layout needs 16")."""
+    g = batch.gathered
+    if g is not None and g.mode is not mode:
+        raise ValueError(f"batch.gathered.mode is {g.mode.value}, but this is a {mode.value} "
+                         f"graph runner: replay the step on the {g.mode.value} runner (a step "
+                         "that mixes decode and extend rows runs eagerly)")
 
 
 def _device_of(runner: ModelRunner) -> torch.device:

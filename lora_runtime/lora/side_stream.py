@@ -58,8 +58,12 @@ def run_beside(side: Callable[[], S], main: Callable[[], M],
     current = torch.cuda.current_stream(device)
     branch = _side_stream(device)
     branch.wait_stream(current)
-    with torch.cuda.stream(branch):
-        side_out = side()
-    main_out = main()
-    current.wait_stream(branch)
+    # Hazard: a fork left unjoined when a branch raises fails the capture's end with CUDA's
+    # "unjoined" error, which replaced the branch's own and left the capture's stream current.
+    try:
+        with torch.cuda.stream(branch):
+            side_out = side()
+        main_out = main()
+    finally:
+        current.wait_stream(branch)
     return side_out, main_out
