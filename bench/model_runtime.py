@@ -185,3 +185,19 @@ class BenchRuntime:
             if not (full.block_slots[~live] == neutral).all():
                 raise AssertionError("static LoRA buffers: unused blocks do not select the "
                                      "neutral slot")
+            _check_live_blocks(full, used, neutral)
+
+
+def _check_live_blocks(layout, used: int, neutral: int) -> None:
+    """Every live block of an adapter covers rows of the batch that select that adapter: the
+    kernels walk blocks, not rows, so a live block past the batch (or a permutation that
+    points it at other rows) would add a term the rows' slots never named."""
+    perm, token_slots = layout.permutation.tolist(), layout.token_slots.tolist()
+    for slot, start, end in zip(layout.block_slots.tolist(), layout.block_starts.tolist(),
+                                layout.block_ends.tolist(), strict=True):
+        if slot == neutral or start >= end:
+            continue
+        rows = perm[start:end]
+        if max(rows) >= used or any(token_slots[r] != slot for r in rows):
+            raise AssertionError(f"static LoRA buffers: a block of slot {slot} covers rows "
+                                 f"{rows[:8]} of a batch of {used} rows whose slots differ")

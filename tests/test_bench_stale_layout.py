@@ -37,3 +37,35 @@ def test_a_stale_lora_layout_fails_the_case(monkeypatch, case):
     v = rows[0]["verification"]
     assert v["status"] == "failed" and "graph replay differs from the eager" in v["error"]
     assert rows[0]["stats"] is None
+
+
+def _static_layout():
+    from kernels import plan_segments
+
+    neutral = 2
+    plan = plan_segments([0, 1, 0], None, block_m=16, skip_slot=neutral)
+    static = StaticSegmentLayout(8, 6, 16, neutral, CPU)
+    static.write(plan, 3)
+    return static.view(8), neutral
+
+
+def test_the_neutral_past_check_sees_a_live_block_past_the_batch_or_on_other_rows():
+    """The kernels walk blocks, not rows: a live block of an adapter past the batch's rows,
+    or pointed by the permutation at rows of another slot, adds a term no row named; the
+    check of the static buffers looked only at rows' slots and at unused blocks' slots."""
+    from bench.model_runtime import _check_live_blocks
+
+    full, neutral = _static_layout()
+    _check_live_blocks(full, 3, neutral)  # as written: fine
+    unused = int((full.block_ends <= full.block_starts).nonzero()[0])
+    full.block_slots[unused], full.block_starts[unused], full.block_ends[unused] = 0, 3, 4
+    with pytest.raises(AssertionError, match="a block of slot 0 covers rows"):
+        _check_live_blocks(full, 3, neutral)
+
+    full, neutral = _static_layout()
+    live = (full.block_ends > full.block_starts) & (full.block_slots == 0)
+    start = int(full.block_starts[live.nonzero()[0]])
+    row_of_slot_1 = int((full.token_slots == 1).nonzero()[0])
+    full.permutation[start] = row_of_slot_1
+    with pytest.raises(AssertionError, match="a block of slot 0 covers rows"):
+        _check_live_blocks(full, 3, neutral)
