@@ -131,6 +131,9 @@ def _checked_value(variant: str, lhs: str, knob: str, key: str | None, value):
         types = ", ".join(type(v).__name__ for v in current)
         raise ValueError(f"variant {variant!r}: {lhs}={value!r}: it takes {len(current)} "
                          f"values of type {types} like its default {current!r}")
+    problem = config.KNOB_PROBLEMS.get(knob, lambda v: None)(value)
+    if problem:  # a value the kernels cannot compile: it failed on the GPU, in ptxas
+        raise ValueError(f"variant {variant!r}: {lhs}={value!r}: {problem}")
     return value
 
 

@@ -31,13 +31,34 @@ def _int_env(env: str, default: str) -> int:
         raise ValueError(f"{env}={text!r}: give an integer, e.g. {env}={default}") from None
 
 
-def _pow2_env(env: str, default: str, most: int | None = None) -> int:
-    """``_int_env`` for a variable that must be a power of two >= 16 (a kernel's block), at
-    most ``most`` where given."""
-    value = _int_env(env, default)
+def _pow2_problem(value: int, most: int | None = None) -> str | None:
     if value < 16 or value & (value - 1) or (most is not None and value > most):
-        upto = "" if most is None else f" and at most {most}"
-        raise ValueError(f"{env}={value}: give a power of two >= 16{upto}, e.g. {env}={default}")
+        return "give a power of two >= 16" + ("" if most is None else f" and at most {most}")
+    return None
+
+
+def _maxnreg_problem(value: int) -> str | None:
+    if value != 0 and not 32 <= value <= 255:
+        return "give 0 (the compiler's choice) or a register count from 32 to 255"
+    return None
+
+
+KNOB_PROBLEMS = {
+    "ROPE_WIDE_WINDOW": lambda v: _pow2_problem(v, 128),  # v/4 warps: at most 32 a program
+    "ROW_SHRINK_ELEMENTS": _pow2_problem,
+    "WIDE_MAXNREG": _maxnreg_problem,
+}
+"""What is wrong with a value of a knob that only some values of its type can take (None:
+nothing): a bad one compiled on the GPU and failed there, in ptxas. Checked when the
+environment sets the knob and for ``bench.route_ab``'s variants."""
+
+
+def _checked_env(knob: str, env: str, default: str, example: str | None = None) -> int:
+    """``_int_env`` refused where ``KNOB_PROBLEMS[knob]`` finds a problem."""
+    value = _int_env(env, default)
+    problem = KNOB_PROBLEMS[knob](value)
+    if problem:
+        raise ValueError(f"{env}={value}: {problem}, e.g. {env}={example or default}")
     return value
 
 
@@ -284,17 +305,12 @@ stream), 16 x 128 / 64 x 64 / 32 x 128: 256 tokens 62.3 / 59.3 / 57.5 us, 1024 t
 8 warps lost at 256 tokens."""
 
 
-WIDE_MAXNREG = _int_env("MULTILORA_WIDE_MAXNREG", "0")
+WIDE_MAXNREG = _checked_env("WIDE_MAXNREG", "MULTILORA_WIDE_MAXNREG", "0", "128")
 """Registers a thread of SwiGLU's wide-block program may use (0: the compiler's choice). These
 programs are bandwidth-bound, and what they hold in flight is what the register file lets
 resident: sm_90, 32 x 128 over 4 warps, the compiler takes 133-134 a thread (3 programs an SM);
 128 fits 4, for 16 bytes of spills (ptxas; not yet timed on a GPU, so off by default). Read
 at import; A/B runs set it."""
-
-if WIDE_MAXNREG != 0 and not 32 <= WIDE_MAXNREG <= 255:
-    raise ValueError(f"MULTILORA_WIDE_MAXNREG={WIDE_MAXNREG}: give 0 (the compiler's choice) or "
-                     "a register count from 32 to 255, e.g. MULTILORA_WIDE_MAXNREG=128")
-
 
 def wide_options() -> dict:
     """Launch options of a wide-block consumer program."""
@@ -302,7 +318,7 @@ def wide_options() -> dict:
 
 
 # tl.dot's rows; ``rows / 4`` warps, at most 32 a program (256 rows failed in ptxas).
-ROPE_WIDE_WINDOW = _pow2_env("MULTILORA_ROPE_WIDE_WINDOW", "16", most=128)
+ROPE_WIDE_WINDOW = _checked_env("ROPE_WIDE_WINDOW", "MULTILORA_ROPE_WIDE_WINDOW", "16")
 """RoPE adds a pending term by windows of this many permuted rows (a power of two from 16 to
 128; ``rows / 4`` warps) where ``wide_blocks`` holds (extend layouts of long segments), by
 ``FUSE_BLOCK_M`` rows over 4 warps elsewhere (decode rows of many adapters put more slots in a
@@ -361,7 +377,8 @@ def eager(x: torch.Tensor) -> bool:
 
 
 # Kernels span its K step (this over the rank chunk) and warps with it: a power of two.
-ROW_SHRINK_ELEMENTS = _pow2_env("MULTILORA_ROW_SHRINK_ELEMENTS", "16384")
+ROW_SHRINK_ELEMENTS = _checked_env("ROW_SHRINK_ELEMENTS", "MULTILORA_ROW_SHRINK_ELEMENTS",
+                                   "16384")
 """A elements a by-rows consumer's shrink loads a step (read at import). Each step is a
 dependent load of one program, so the step count sets the shrink's latency: H200, eager
 4-layer forward, 16 adapters r=16, bs 1, with 4096: the residual add + RMSNorm with the term

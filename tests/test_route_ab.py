@@ -30,7 +30,13 @@ def test_variants_parse_and_bad_ones_name_the_fix():
                        # the last setting won, the row listing both
                        ("x:FORK_MAX_ROWS=1,FORK_MAX_ROWS=2", "FORK_MAX_ROWS is set twice"),
                        ("x:GRAPH_WINDOWS_MIN_ROWS.rope=1,GRAPH_WINDOWS_MIN_ROWS.rope=2",
-                        "rope is set twice")]:
+                        "rope is set twice"),
+                       # values of the right type that the kernels cannot compile (ptxas
+                       # failed on the GPU), refused as their environment variables are
+                       ("x:ROPE_WIDE_WINDOW=24", "give a power of two >= 16 and at most 128"),
+                       ("x:ROPE_WIDE_WINDOW=256", "at most 128"),
+                       ("x:WIDE_MAXNREG=300", "register count from 32 to 255"),
+                       ("x:ROW_SHRINK_ELEMENTS=12288", "give a power of two >= 16")]:
         with pytest.raises(ValueError, match=says):
             route_ab.parse_variant(spec)
     with pytest.raises(SystemExit):
