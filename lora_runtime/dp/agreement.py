@@ -1,10 +1,10 @@
 """What every rank agrees on before a DP step, in one all-gather of a small int tensor on the
 host (gloo) group: each rank's mode, rows, requests (adapter id and rows each), the smallest
-graph bucket its batch fits, the adapters its running requests hold, a digest of its slot
-table, whether it has work and whether it may launch its next step ahead. Every rank then
-derives the same decision from the same data: the mode, the rows per rank (the size of the
-gathered buffer), graph or eager, the bucket (the one that fits the largest rank), the graph
-variant (with LoRA when any rank's rows have an adapter, so every rank's gathered MLP runs
+graph bucket its batch fits, the adapters its running requests hold, a digest of its loaded
+and pinned adapters, whether it has work and whether it may launch its next step ahead. Every
+rank then derives the same decision from the same data: the mode, the rows per rank (the size
+of the gathered buffer), graph or eager, the bucket (the one that fits the largest rank), the
+graph variant (with LoRA when any rank's rows have an adapter, so every rank's gathered MLP runs
 the same collectives) and whether every rank launches the next step ahead (only where all
 may: a rank running ahead alone would enter the next agreement while another returned from
 ``step()``, and pair it with a different collective).
@@ -80,16 +80,18 @@ class StepAgreement:
         return {a for r in self.ranks for a in r.running_adapters}
 
 
-def pool_digest(owners: Sequence[str | None], loaded: Sequence[str] = (),
-                fingerprints: Sequence[int] = (), pinned: Sequence[str] = ()) -> int:
-    """A digest of the slot table, of the loaded adapters' names (sorted: they number the
-    agreement's adapter ids), of their weights' fingerprints (one name may not stand for
-    other weights on another rank) and of the pinned names (sorted: a pin on one rank leaves
-    its slots and admissions apart from the others', and the union its peers admit then fails
-    to fit on that rank alone, mid-step) that is the same in every process (``hash`` is
-    not)."""
-    text = ("\x1f".join(o or "" for o in owners) + "\x1e" + "\x1f".join(loaded) + "\x1e"
-            + "\x1f".join(map(str, fingerprints)) + "\x1e" + "\x1f".join(pinned))
+def pool_digest(loaded: Sequence[str], fingerprints: Sequence[int] = (),
+                pinned: Sequence[str] = ()) -> int:
+    """A digest of the loaded adapters' names (sorted: they number the agreement's adapter
+    ids), of their weights' fingerprints (one name may not stand for other weights on another
+    rank) and of the pinned names (sorted: a pin on one rank leaves its slots and admissions
+    apart from the others', and the union its peers admit then fails to fit on that rank
+    alone, mid-step) that is the same in every process (``hash`` is not). Not of which slot
+    holds which adapter: each rank maps the gathered rows' adapter names to its own slots, so
+    placements may differ, and a pin made and undone on one rank left its adapter in a slot
+    there alone: every later step was refused, for good."""
+    text = ("\x1f".join(loaded) + "\x1e" + "\x1f".join(map(str, fingerprints)) + "\x1e"
+            + "\x1f".join(pinned))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
@@ -121,7 +123,7 @@ class HostExchange:
 
     def agree(self, mine: RankStep) -> StepAgreement:
         """All-gathers every rank's ``RankStep`` and decides the step. Raises (on every rank)
-        when the ranks' slot tables differ."""
+        when the ranks' loaded adapters (names or weights) or pins differ."""
         rows = self._exchange("step agreement", _pack(mine, self.max_requests,
                                                       self.max_adapters))
         ranks = tuple(_unpack(row) for row in rows)
@@ -146,6 +148,11 @@ class HostExchange:
         and gets the same list)."""
         return [r for r, (f,) in enumerate(self._exchange(call, [int(flag)])) if f]
 
+    def each_rank(self, call: str, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` in ``call`` (one of ``CALLS``; every rank calls it), by
+        rank."""
+        return self._exchange(call, values)
+
     def _exchange(self, call: str, values) -> list[list[int]]:
         values = list(values)
         if len(values) > self.width:
@@ -165,16 +172,26 @@ def _call_name(tag: int) -> str:
     return CALLS[tag] if 0 <= tag < len(CALLS) else f"an unknown call (tag {tag})"
 
 
-def check_same_setup(dp: DPGroup, setup: dict[str, int | str]) -> None:
+def check_same_setup(dp: DPGroup, setup: dict[str, int | str] | None,
+                     refused: Exception | None = None) -> None:
     """Raises on every rank where the ranks' ``setup`` values differ (they size the agreement's
-    tensors and decide its collectives: a difference would abort gloo mid-step instead).
-    Through the store, not a host all-gather: a rank that builds a DPEngine while its peers
-    step (or unload, or warm up) would meet their all-gather with one of another size, and
-    gloo aborted the process; now it raises after the timeout, naming the ranks that did not
-    build it, and so do they (their all-gather times out)."""
-    said = exchange_through_store(dp, "DPEngine set-up check", json.dumps(
-        [v if isinstance(v, str) else int(v) for v in setup.values()]))
-    per_rank = [json.loads(text) for text in said]
+    tensors and decide its collectives: a difference would abort gloo mid-step instead), and
+    on the others where a rank ``refused`` its engine (``setup`` None there; that rank raises
+    its own error). Through the store, not a host all-gather: a rank that builds a DPEngine
+    while its peers step (or unload, or warm up) would meet their all-gather with one of
+    another size, and gloo aborted the process; now it raises after the timeout, naming the
+    ranks that did not build it, and so do they (their all-gather times out)."""
+    mine = ({"refused": f"{type(refused).__name__}: {refused}"} if refused is not None else
+            [v if isinstance(v, str) else int(v) for v in setup.values()])
+    per_rank = [json.loads(text) for text in
+                exchange_through_store(dp, "DPEngine set-up check", json.dumps(mine))]
+    refusals = {r: row["refused"] for r, row in enumerate(per_rank) if isinstance(row, dict)}
+    if refused is not None:
+        return
+    if refusals:
+        raise ValueError(f"{dp.name}: DPEngine was refused on ranks {list(refusals)} "
+                         f"({'; '.join(f'rank {r}: {e}' for r, e in refusals.items())}); "
+                         "it is built on no rank: build every rank's DPEngine alike")
     differ = {k: [row[i] for row in per_rank] for i, k in enumerate(setup)
               if len({row[i] for row in per_rank}) > 1}
     if differ:

@@ -6,7 +6,8 @@ rows. Adapter residency agrees because every rank loads, pins and unloads the sa
 in the same order and acquires the same union of adapters each step; admission keeps that
 union within the slots by sharing the free slots among the ranks, a few per step. The
 agreement names an adapter by its index among the loaded names, sorted, and checks that every
-rank has loaded the same names into the same slots."""
+rank has loaded the same names (and weights) and pinned the same ones; each rank maps the names
+to its own slots."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from lora_runtime.dp.agreement import (
     pool_digest,
 )
 from lora_runtime.dp.group import DPGroup, mark_fault
+from lora_runtime.dp.shard import check_shard, rebind_mlp
 from lora_runtime.engine.engine import (
     Engine,
     GraphReplayer,
@@ -49,7 +51,7 @@ class DPEngine(Engine):
         variant it runs (one more small host all-gather): a divergence raises instead of
         hanging a collective. ``overlap``: as ``Engine``'s; each rank launches its next step
         ahead where its own requests allow."""
-        _check_arguments(dp, verify)
+        _check_dp(dp)
         _check_group(dp, "DPEngine")  # before its set-up check's collective
         lora = getattr(runner, "lora", None)
         hooks = None if lora is None else (lora.evict_last, lora.requested)
@@ -64,28 +66,20 @@ class DPEngine(Engine):
 
     def _set_up(self, runner, dp, config, graphs, keep_logits, verify, overlap,
                 max_timeline) -> None:
-        super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap,
-                         max_timeline=max_timeline)
-        if runner.dp is not None and runner.dp.size != dp.size:
-            raise ValueError(f"the model is sharded for {runner.dp.size} ranks, the group has "
-                             f"{dp.size}")
-        if runner.dp is None and dp.size > 1:
-            raise ValueError(f"the model's MLP is not sharded for the {dp.size} ranks of "
-                             f"{dp.name}: call lora_runtime.dp.shard.shard_mlp(model, dp) "
-                             "before LoRAManager wraps the model")
-        self.dp, self.verify = dp, verify
-        c = self.config  # every value that sizes the exchanges or the steps' sequence
-        check_same_setup(dp, {"max_batch_size": c.max_batch_size,
-                              "max_step_tokens": c.max_step_tokens,
-                              "chunked_prefill": int(c.chunked_prefill),
-                              "kv_tokens": self.kv.max_tokens,
-                              "slots": self.scheduler.num_slots, "verify": int(verify),
-                              "lora": int(self.lora is not None),
-                              "graphs": _graphs_signature(self.graphs),
-                              "model config": _crc(repr(runner.model.config)),
-                              "model dtype": str(next(runner.model.parameters()).dtype),
-                              "model weights": _replicated_weights_fingerprint(runner.model)})
-        self.host = HostExchange(dp, c.max_batch_size, self.scheduler.num_slots)
+        try:
+            setup, refused = self._set_up_here(runner, dp, config, graphs, keep_logits, verify,
+                                               overlap, max_timeline), None
+        except (TypeError, ValueError) as e:
+            setup, refused = None, e
+        # Hazard: a rank that raised before the set-up check left its peers' check to pair
+        # with the next DPEngine it built: they built the refused one, and every later store
+        # exchange was one apart. Its refusal goes through the check: every rank raises.
+        check_same_setup(dp, setup, refused)
+        if refused is not None:
+            raise refused
+        if runner.dp is not None and runner.dp.closed:  # a model kept from the last group
+            rebind_mlp(runner.model, dp)
+        self.host = HostExchange(dp, self.config.max_batch_size, self.scheduler.num_slots)
         self.last: StepAgreement | None = None
         self._idle_with_work = 0
         """Agreed steps in a row where no rank ran rows but some rank had requests."""
@@ -97,6 +91,29 @@ class DPEngine(Engine):
         self._fault: str | None = None
         """The error of a forward that raised on this rank: its collectives and the peers'
         no longer pair, so every later call raises (``_check_in_step``)."""
+
+    def _set_up_here(self, runner, dp, config, graphs, keep_logits, verify, overlap,
+                     max_timeline) -> dict[str, int | str]:
+        """This rank's part of the set-up: refuses what this rank was given, and returns the
+        values every rank's must equal (they size the exchanges or the steps' sequence)."""
+        _check_verify(verify)
+        super().__init__(runner, config, graphs, keep_logits=keep_logits, overlap=overlap,
+                         max_timeline=max_timeline)
+        if runner.dp is not None:
+            check_shard(runner.dp, dp)
+        if runner.dp is None and dp.size > 1:
+            raise ValueError(f"the model's MLP is not sharded for the {dp.size} ranks of "
+                             f"{dp.name}: call lora_runtime.dp.shard.shard_mlp(model, dp) "
+                             "before LoRAManager wraps the model")
+        self.dp, self.verify = dp, verify
+        c = self.config
+        return {"max_batch_size": c.max_batch_size, "max_step_tokens": c.max_step_tokens,
+                "chunked_prefill": int(c.chunked_prefill), "kv_tokens": self.kv.max_tokens,
+                "slots": self.scheduler.num_slots, "verify": int(verify),
+                "lora": int(self.lora is not None), "graphs": _graphs_signature(self.graphs),
+                "model config": _crc(repr(runner.model.config)),
+                "model dtype": str(next(runner.model.parameters()).dtype),
+                "model weights": _replicated_weights_fingerprint(runner.model)}
 
     # -- adapters: every rank makes the same calls in the same order -------------------------
     def unload_adapter(self, name: str) -> None:
@@ -151,7 +168,8 @@ class DPEngine(Engine):
 
     def warm_up(self, adapters: Sequence[str | None] | None = None) -> WarmUpReport:
         """``Engine.warm_up`` on every rank, or on none: a rank that refuses it (requests
-        queued, an adapter not loaded) makes every rank raise before any warm-up step."""
+        queued, an adapter not loaded) or names other adapters than its peers makes every
+        rank raise before any warm-up step."""
         self._check_in_step()
         self._finish_inflight()
         try:
@@ -159,12 +177,23 @@ class DPEngine(Engine):
             error = None
         except (RuntimeError, ValueError) as e:
             error = e
-        refused = self.host.ranks_with(error is not None, "warm_up")
+        said = self.host.each_rank("warm_up", [int(error is not None), _crc(repr(adapters))])
+        refused = [r for r, (flag, _) in enumerate(said) if flag]
         if error is not None:
             raise error
         if refused:
             raise RuntimeError(f"{self.dp.name}: warm_up was refused on ranks {refused} (see "
                                "their error); it runs on no rank")
+        if len({crc for _, crc in said}) > 1:
+            # Ladders of other lengths: the rank with the shorter one returned, and its next
+            # calls' steps were served inside its peers' warm-up.
+            alike: dict[int, list[int]] = {}
+            for r, (_, crc) in enumerate(said):
+                alike.setdefault(crc, []).append(r)
+            raise ValueError(f"{self.dp.name}: warm_up was called with other adapters on the "
+                             f"ranks (the ranks that named the same: {list(alike.values())}; "
+                             f"this rank's: {adapters}); it runs on no rank: call it with the "
+                             "same adapters on every rank")
         return super().warm_up(adapters)
 
     def run(self, max_steps: int | None = None) -> list[Request]:
@@ -335,8 +364,7 @@ class DPEngine(Engine):
         ids = {n: i for i, n in enumerate(names)}
         running = sorted(ids[a] for a in self.scheduler.running_adapters())
         digest = 0 if self.lora is None else pool_digest(
-            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names],
-            sorted(self.lora.pool.pinned))
+            names, [self.lora.fingerprints[n] for n in names], sorted(self.lora.pool.pinned))
         work, starved = self.scheduler.has_work, self.scheduler.starved_of_slot
         if plan is None:
             return RankStep(ForwardMode.IDLE, (), (), 0, tuple(running), digest, work,
@@ -375,14 +403,18 @@ class DPEngine(Engine):
         self.scheduler.adapter_quota = (known, quota)
 
 
-def _check_arguments(dp, verify) -> None:
-    """Refuses, naming them, a ``dp`` that is no DPGroup (``DPEngine(runner, config)``, as an
-    ``Engine`` is built, raised "'SchedulerConfig' object has no attribute 'check_open'") and
-    a ``verify`` that is no bool (the set-up check compared int(verify): "no" raised "invalid
-    literal for int()", and 0.5 passed as False there while this rank confirmed every step)."""
+def _check_dp(dp) -> None:
+    """Refuses, naming it, a ``dp`` that is no DPGroup (``DPEngine(runner, config)``, as an
+    ``Engine`` is built, raised "'SchedulerConfig' object has no attribute 'check_open'")."""
     if not isinstance(dp, DPGroup):
         raise TypeError(f"DPEngine(runner, dp, config, graphs): dp must be this rank's DPGroup "
                         f"(lora_runtime.dp.group.init_dp), got {type(dp).__name__} {dp!r:.80}")
+
+
+def _check_verify(verify) -> None:
+    """Refuses a ``verify`` that is no bool (the set-up check compared int(verify): "no" raised
+    "invalid literal for int()", and 0.5 passed as False there while this rank confirmed every
+    step)."""
     if not isinstance(verify, bool):
         raise TypeError(f"DPEngine: verify must be True or False, got {verify!r:.80}")
 

@@ -225,6 +225,8 @@ def shutdown(device: torch.device | str) -> None:
     the ranks that did not come, having left). A rank that faulted (``mark_fault``) leaves at
     once: its peers may be held in a collective it will never join (they fail when its process
     ends, or at the timeout). Afterwards every DPGroup of the process is closed (``check_open``).
+    Where this process has no DP group in the world (shut down already, or no ``init_dp``) it
+    returns at once.
     Hazard: after a gloo collective failed (a timeout, a peer gone), the process may still
     abort while exiting, as the interpreter tears the pairs down ("terminate called without
     an active exception"; about 1 exit in 25 on gloo CPU ranks): leave by ``os._exit`` once
@@ -234,6 +236,10 @@ def shutdown(device: torch.device | str) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if not dist.is_initialized():
+        return
+    if not any(world is dist.group.WORLD for world, _, _ in _joined):
+        # No DP group in this world (shut down already, or no init_dp): nothing to leave. It
+        # waited out the timeout for peers that had left, and destroyed the caller's world.
         return
     fault, timeout_s, epoch = _fault, _wait_s, _epoch
     _epoch += 1  # every DPGroup is closed from here on, whatever happens below

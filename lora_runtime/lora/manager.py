@@ -111,7 +111,8 @@ class LoRAManager:
                            "Call LoRAManager.load_adapter(name, path) first")
         if g is not None:
             _check_gathered_rows(g)  # before any slot moves: the prepared batch keeps its own
-        # Under DP every rank acquires the same union in the same order, so slots agree.
+        # Under DP every rank acquires the same union in the same order; slots may still
+        # differ between ranks (a pin undone on one): gathered rows map names to this rank's.
         self._acquire(used)
         slot_of = {None: self.neutral_slot, **self.pool.slot_of}
         slots = [slot_of[n] for n in names]
