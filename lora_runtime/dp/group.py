@@ -133,8 +133,9 @@ def _missing(store, keys: list[str]) -> list[int] | None:
 
 def init_dp(device: torch.device | str, timeout_s: float | None = None) -> DPGroup:
     """Joins the group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT). GPUs: rank r uses cuda:LOCAL_RANK. The collectives' timeout: DP_TIMEOUT_S
-    where set, else ``timeout_s``, else ``DEFAULT_TIMEOUT_S``."""
+    MASTER_PORT) on ``device``: on GPUs, by torchrun's convention, cuda:LOCAL_RANK (``spawn``
+    makes it current; under torchrun call ``torch.cuda.set_device`` first). The collectives'
+    timeout: DP_TIMEOUT_S where set, else ``timeout_s``, else ``DEFAULT_TIMEOUT_S``."""
     global _wait_s, _store_exchanges, _joins
     device = _as_device(device, "init_dp")
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

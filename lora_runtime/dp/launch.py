@@ -43,6 +43,8 @@ def spawn(fn: Callable, size: int, *args, timeout_s: float = 60.0) -> None:
 
 def _entry(rank: int, fn: Callable, env: dict, args: tuple) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    if torch.cuda.is_available() and rank < torch.cuda.device_count():
+        torch.cuda.set_device(rank)  # its GPU current, as the module says (it was not)
     faulthandler.enable()  # a rank that aborts prints its Python stack, not a bare signal
     fn(rank, *args)
     _leave_now()
