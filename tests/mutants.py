@@ -471,14 +471,14 @@ MUTANTS = [
            "DP: the ranks compare loaded adapters by name only (other weights under one name "
            "are served, wrong on every rank)",
            "lora_runtime/dp/dp_engine.py",
-           (("            self.lora.pool.owner, names, [self.lora.fingerprints[n] for n in names],",
-             "            self.lora.pool.owner, names, (),"),),
+           (("            names, [self.lora.fingerprints[n] for n in names], sorted(",
+             "            names, (), sorted("),),
            ("tests/test_dp_control.py::test_one_name_with_other_weights_is_refused_on_every_"
             "rank",)),
     Mutant("dp_digest_without_pins",
            "DP: the ranks' pins are not compared (a pin on one rank fails there alone, mid-step)",
            "lora_runtime/dp/dp_engine.py",
-           (("            sorted(self.lora.pool.pinned))", "            ())"),),
+           (("for n in names], sorted(self.lora.pool.pinned))", "for n in names], ())"),),
            ("tests/test_dp_control.py::test_a_pin_on_one_rank_is_refused_on_every_rank_before_"
             "the_forward",)),
     Mutant("overlap_discarded_wait_drops_stream",
@@ -555,8 +555,8 @@ MUTANTS = [
     Mutant("fractional_token_budget",
            "a request takes a fractional max_new_tokens (its KV budget over-commits the cache)",
            "lora_runtime/engine/requests.py",
-           (("        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:",
-             "        if self.max_new_tokens < 1:"),),
+           (("    if not is_int(value) or value < 1:\n        raise ValueError(f\"{call}max_new_tokens",
+             "    if value < 1:\n        raise ValueError(f\"{call}max_new_tokens"),),
            ("tests/test_engine_limits.py::test_bad_requests_are_refused_and_the_others_served",)),
     Mutant("failed_warm_up_keeps_requests",
            "a warm-up that fails leaves its requests queued, served before the user's",

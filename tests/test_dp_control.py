@@ -148,7 +148,7 @@ def test_graphs_none_captured_leave_the_steps_eager(fault_logs):
 def test_a_pin_on_one_rank_is_refused_on_every_rank_before_the_forward(fault_logs):
     for log in fault_logs:
         said = log["one rank pins"]
-        assert said.startswith("RuntimeError") and "pins or slot tables differ" in said, said
+        assert said.startswith("RuntimeError") and "weights or pins differ" in said, said
         _check_alone(log, 3)
 
 

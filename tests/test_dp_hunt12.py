@@ -220,7 +220,7 @@ def test_a_pin_on_one_rank_once_undone_lets_serving_go_on(pin_logs):
     by_name = {a.name: a for a in adapters()}
     for rank, log in enumerate(pin_logs):
         said = log["one rank pins"]
-        assert said.startswith("RuntimeError") and "pins or slot tables differ" in said, said
+        assert said.startswith("RuntimeError") and "weights or pins differ" in said, said
         assert log["unpinned"] == "ok", f"rank {rank}: {log['unpinned']}"
         prompt, name, output, logits = log["output"]
         assert len(output) == PIN_TOKENS, f"rank {rank}: {output}"

@@ -128,8 +128,8 @@ class HostExchange:
                                                       self.max_adapters))
         ranks = tuple(_unpack(row) for row in rows)
         if len({r.pool_digest for r in ranks}) != 1:
-            raise RuntimeError(f"{self.dp.name}: the ranks' loaded adapters, pins or slot "
-                               f"tables differ ({[r.pool_digest for r in ranks]}): adapters "
+            raise RuntimeError(f"{self.dp.name}: the ranks' loaded adapters, their weights or "
+                               f"pins differ ({[r.pool_digest for r in ranks]}): adapters "
                                "must be loaded from the same weights, pinned and unloaded on "
                                "every rank in the same order")
         return decide(ranks)
