@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import itertools
 import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,7 +71,7 @@ def plan_segments(
     """
     block_m = check_block_m(block_m)
     if request_lens is None:  # decode: one row a request, at most a few hundred
-        plan = _plan_rows([int(s) for s in request_slots], block_m, skip_slot)
+        plan = _plan_rows(_whole_slots(request_slots), block_m, skip_slot)
     else:
         plan = _plan_requests(request_slots, request_lens, block_m, skip_slot)
     if plan.seg_slots and plan.seg_slots[0] < 0:  # segments come in ascending slot order
@@ -89,6 +90,37 @@ def check_block_m(block_m) -> int:
         raise ValueError(f"block_m must be a positive power of two (the LoRA kernels' row "
                          f"blocks: 16 decode, 64 extend), got {block_m!r}")
     return int(block_m)
+
+
+def _whole_slots(request_slots: Sequence[int]) -> list[int]:
+    """The slots as Python ints; ``int()`` had truncated a slot of 0.7 to slot 0."""
+    out = []
+    for s in request_slots:
+        try:
+            out.append(operator.index(s))
+        except TypeError:
+            raise ValueError(f"request_slots must be integers (slot numbers), got "
+                             f"{type(s).__name__} {s!r:.40}") from None
+    return out
+
+
+def _whole_size(name: str, value) -> int:
+    """A size or slot number as a Python int (a float one failed in torch.zeros naming its
+    "size", a bool one became the views' ``max_slot``)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"StaticSegmentLayout: {name} must be an integer, got "
+                         f"{type(value).__name__} {value!r:.40}")
+    return int(value)
+
+
+def _whole_array(values: Sequence[int], name: str) -> np.ndarray:
+    """``values`` as a flat int64 array; a float or bool one is refused (numpy's cast had
+    truncated a length of 2.5 to 2 rows)."""
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got {a.dtype} values "
+                         f"({a.reshape(-1)[:4].tolist()!r:.60})")
+    return a.astype(np.int64, copy=False).reshape(-1)
 
 
 def _plan_rows(slots: list[int], block_m: int, skip_slot: int | None) -> SegmentPlan:
@@ -110,8 +142,8 @@ def _plan_requests(request_slots: Sequence[int], request_lens: Sequence[int], bl
                    skip_slot: int | None) -> SegmentPlan:
     """Prefill: vectorised, a step plans thousands of rows (Python loops over them cost
     ~1 ms on the H200 host, on the critical path of every LoRA extend step)."""
-    slots = np.asarray(request_slots, dtype=np.int64).reshape(-1)
-    lens = np.asarray(request_lens, dtype=np.int64).reshape(-1)
+    slots = _whole_array(request_slots, "request_slots")
+    lens = _whole_array(request_lens, "request_lens")
     if len(lens) != len(slots):
         raise ValueError(
             f"request_lens has {len(lens)} entries but request_slots has {len(slots)}"
@@ -277,6 +309,9 @@ class StaticSegmentLayout:
         self, max_rows: int, num_slots: int, block_m: int, neutral_slot: int, device
     ) -> None:
         block_m = check_block_m(block_m)
+        max_rows, num_slots, neutral_slot = (
+            _whole_size(name, value) for name, value in
+            (("max_rows", max_rows), ("num_slots", num_slots), ("neutral_slot", neutral_slot)))
         if max_rows < 0:  # torch.zeros named a "dimension size", not the argument
             raise ValueError(f"max_rows must be >= 0 (the rows of the largest batch), got "
                              f"{max_rows}")
@@ -333,7 +368,9 @@ class StaticSegmentLayout:
         _pack(plan, cap_rows, cap_blocks, self.neutral_slot, out=self._staging.numpy())
         self._buf.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            # On the buffer's device's stream, where the copy ran (the current device's
+            # stream, another GPU's, would let the next write refill the staging mid-copy).
+            self._copied.record(torch.cuda.current_stream(self._buf.device))
         # Invariant: _held names the buffer's contents or is None (nothing else writes it).
         self._held = None if spec is None or plan is None else (
             spec, plan.num_rows, len(plan.blocks))
