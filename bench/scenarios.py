@@ -46,7 +46,7 @@ class ThroughputCase(Case):
     layers: int
     dtype: str
     workload: str
-    """"inP-outO": prompts of P tokens, O output tokens each (the only form parsed)."""
+    """``inP-outO``: prompts of P tokens, O output tokens each (the only form parsed)."""
     requests: int
     adapters: int
     """0: the base model in a runtime without LoRA."""
