@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import config
-from kernels.checks import check, check_q_and_kv_cache
+from kernels.checks import check, check_q_and_kv_cache, checked_override, is_whole
 from kernels.fast_launch import launch
 from kernels.traced_op import traced_op
 
@@ -191,14 +191,31 @@ def decode_attention(
     for name, t in (("kv_indices", kv_indices), ("kv_lens", kv_lens)):
         check(t.dtype in (torch.int32, torch.int64) and t.device == q.device,
               lambda: f"{name} must be int32/int64 on {q.device}, got {t.dtype} on {t.device}")
-    block_n, num_warps, num_stages = tiles or TILES
-    check(block_n >= 16 and block_n & (block_n - 1) == 0,
-          lambda: f"block_n must be a power of two >= 16, got {block_n}")
+    block_n, num_warps, num_stages = checked_tiles(tiles, TILES, ("block_n", "num_warps",
+                                                                  "num_stages"))
     if splits is None:
         splits = decode_splits(bs, kv_heads, kv_indices.shape[1], q.device, block_n)
     # 0 once meant the heuristic and 2.5 ran as 2: an override is taken as given or refused.
-    whole = isinstance(splits, int) and not isinstance(splits, bool)
-    check(whole and 1 <= splits <= 4 * MAX_SPLITS, lambda: f"splits must be an integer in "
-          f"[1, {4 * MAX_SPLITS}] (None: the heuristic), got {splits!r}")
+    check(is_whole(splits) and 1 <= splits <= 4 * MAX_SPLITS, lambda: f"splits must be an "
+          f"integer in [1, {4 * MAX_SPLITS}] (None: the heuristic), got {splits!r}")
     return _decode_attention_op(q, k_cache, v_cache, kv_indices, kv_lens, float(sm_scale),
                                 int(splits), block_n, num_warps, num_stages)
+
+
+def checked_tiles(tiles, default: tuple[int, ...], names: tuple[str, ...]) -> tuple[int, ...]:
+    """``tiles`` (None: ``default``) as Python ints, one per name: block sizes powers of two
+    >= 16, num_warps a power of two, num_stages >= 1. A numpy integer failed inside the
+    kernel, a float or a short tuple raised TypeError or "not enough values to unpack"."""
+    if tiles is None:
+        return default
+    check(isinstance(tiles, (tuple, list)) and len(tiles) == len(names),
+          lambda: f"tiles must be ({', '.join(names)}), got {tiles!r}")
+    return tuple(_checked_tile(name, v) for name, v in zip(names, tiles, strict=True))
+
+
+def _checked_tile(name: str, value) -> int:
+    if name == "num_stages":
+        check(is_whole(value) and value >= 1,
+              lambda: f"num_stages must be an integer >= 1, got {value!r}")
+        return int(value)
+    return checked_override(name, value, 16 if name.startswith("block") else 1)

@@ -19,13 +19,14 @@ import triton.language as tl
 
 from kernels import config
 from kernels.checks import check, check_q_and_kv_cache
+from kernels.decode_attention import checked_tiles
 from kernels.fast_launch import launch
 from kernels.traced_op import traced_op
 
 TILES = (64, 64, 4, 2)
+"""(block_m, block_n, num_warps, num_stages): query rows and keys per tile."""
 REQUEST_BLOCK = 64
 """Requests a program scans at a time to find its own (a constant: no variant per batch)."""
-"""(block_m, block_n, num_warps, num_stages): query rows and keys per tile."""
 
 
 @triton.jit
@@ -165,8 +166,7 @@ def extend_attention(
         check(x.dtype in (torch.int32, torch.int64) and x.device == q.device and
               x.is_contiguous(), lambda: f"{name} must be contiguous int32/int64 on {q.device}, "
               f"got {x.dtype} on {x.device}")
-    block_m, block_n, num_warps, num_stages = tiles or TILES
-    for name, b in (("block_m", block_m), ("block_n", block_n)):
-        check(b >= 16 and b & (b - 1) == 0, lambda: f"{name} must be a power of two >= 16, got {b}")
+    block_m, block_n, num_warps, num_stages = checked_tiles(
+        tiles, TILES, ("block_m", "block_n", "num_warps", "num_stages"))
     return _extend_attention_op(q, k_cache, v_cache, kv_indices, q_starts, kv_starts,
                                 float(sm_scale), block_m, block_n, num_warps, num_stages)

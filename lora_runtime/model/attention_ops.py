@@ -15,7 +15,7 @@ from lora_runtime.model.backend import base_backend
 
 def decode_attention(q, k_cache, v_cache, meta: DecodeAttention, scale: float) -> torch.Tensor:
     """``q [bs, heads, head_dim]`` -> ``[bs, heads, head_dim]``."""
-    if base_backend(q.device) == "triton":
+    if base_backend(q.device, q.dtype) == "triton":
         return decode_attention_triton(q, k_cache, v_cache, meta.kv_indices, meta.kv_lens, scale)
     return decode_attention_reference(q, k_cache, v_cache, meta, scale)
 
@@ -23,7 +23,7 @@ def decode_attention(q, k_cache, v_cache, meta: DecodeAttention, scale: float) -
 def extend_attention(q, k_cache, v_cache, meta: ExtendAttention, positions: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """``q [T, heads, head_dim]`` (packed new tokens) -> ``[T, heads, head_dim]``."""
-    if base_backend(q.device) == "triton":
+    if base_backend(q.device, q.dtype) == "triton":
         return extend_attention_triton(q, k_cache, v_cache, meta.kv_indices, meta.q_starts,
                                        meta.kv_starts, scale)
     return extend_attention_reference(q, k_cache, v_cache, meta, positions, scale)

@@ -13,18 +13,21 @@ from contextlib import contextmanager
 
 import torch
 
+from kernels.checks import FLOAT_DTYPES
 from kernels.config import interpreted
 
 BACKENDS = ("triton", "torch")
 _backend = "triton" if torch.cuda.is_available() else "torch"
 
 
-def base_backend(device: torch.device | None = None) -> str:
-    """The backend a forward on ``device`` runs: the selected one, except ``torch`` for CPU
-    tensors while Triton is not interpreting (a compiled Triton kernel cannot read host
-    memory: a CPU run on a GPU machine)."""
-    if (_backend == "triton" and device is not None and device.type != "cuda"
-            and not interpreted()):
+def base_backend(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str:
+    """The backend a forward on ``device`` in ``dtype`` runs: the selected one, except
+    ``torch`` for CPU tensors while Triton is not interpreting (a compiled Triton kernel
+    cannot read host memory: a CPU run on a GPU machine) and for a dtype the kernels do not
+    take (a float64 model, which the model serves, failed its first norm's check)."""
+    if _backend == "triton" and (
+            (device is not None and device.type != "cuda" and not interpreted())
+            or (dtype is not None and dtype not in FLOAT_DTYPES)):
         return "torch"
     return _backend
 

@@ -15,6 +15,7 @@ from kernels.rms_norm import rms_norm
 from kernels.rope_kv import rope_and_cache_kv
 from kernels.row_lora import UnshrunkLoRA
 from kernels.silu_mul import silu_mul as silu_mul_triton
+from kernels.traced_op import tracing
 from lora_runtime.model.backend import base_backend
 from lora_runtime.model.config import LlamaConfig
 
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
         the previous projection's LoRA term, as a delta (``LoRABackend.linear_delta``),
         pending (``linear_deferred``) or unshrunk (``linear_unshrunk``), added to ``x``
         first."""
-        if base_backend(x.device) == "triton":
+        if base_backend(x.device, x.dtype) == "triton":
             return rms_norm(x, self.weight, self.eps, residual, lora)
         if lora is not None:
             x = lora.apply(x)
@@ -57,7 +58,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``. ``lora``: the
     gate_up projection's pending LoRA term (``kernels.lora_epilogue.PendingLoRA``), added
     first: inside the Triton kernel, or by the expand before the torch version."""
-    if base_backend(gate_up.device) == "triton":
+    if base_backend(gate_up.device, gate_up.dtype) == "triton":
         return silu_mul_triton(gate_up, lora)
     if lora is not None:
         gate_up = lora.apply(gate_up)
@@ -113,8 +114,16 @@ class RotaryEmbedding(nn.Module):
         """``qkv [T, (heads + 2 KV) * D]`` -> rotated ``q [T, heads, D]``; rotated k and v
         written to the caches at ``cache_loc``. ``lora``: the qkv projection's pending LoRA
         term (``kernels.lora_epilogue.PendingLoRA``), added first: inside the Triton kernel,
-        or by the expand before the torch version."""
-        if base_backend(qkv.device) == "triton":
+        or by the expand before the torch version.
+
+        On CPU tensors positions outside the table and cache slots outside the caches are
+        refused (``ValueError``) before anything is written; on a GPU that check would sync a
+        launch (the engine refuses such requests in ``add_request``)."""
+        if qkv.device.type == "cpu" and not tracing():
+            _check_inside("positions", positions, self.cos.shape[0], "the rotary table",
+                          " (max_position_embeddings)")
+            _check_inside("cache_loc", cache_loc, k_cache.shape[0], "the KV cache's slots", "")
+        if base_backend(qkv.device, qkv.dtype) == "triton":
             return rope_and_cache_kv(qkv, positions, self.cos, self.sin, cache_loc, k_cache,
                                      v_cache, heads, lora)
         if lora is not None:
@@ -125,6 +134,19 @@ class RotaryEmbedding(nn.Module):
         k_cache.index_copy_(0, cache_loc, k)
         v_cache.index_copy_(0, cache_loc, v.reshape(t, kv_heads, d))
         return q
+
+
+def _check_inside(name: str, index: torch.Tensor, size: int, what: str, note: str) -> None:
+    """Outside ``0..size-1`` the Triton kernel read or wrote past the tensor (a segfault
+    under the interpreter) and torch indexing wrapped -1 to the last row, silently."""
+    if index.numel() == 0 or index.dtype.is_floating_point or index.dtype == torch.bool:
+        return  # no index to check (the kernels name a wrong dtype)
+    lo, hi = (int(v) for v in torch.aminmax(index))  # ~2 us a layer; the mask below ~12
+    if lo >= 0 and hi < size:
+        return
+    bad = index[(index < 0) | (index >= size)]
+    raise ValueError(f"{name} {bad[:5].tolist()} are outside {what} 0..{size - 1}{note}: "
+                     "refuse such tokens before the forward")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
