@@ -19,6 +19,7 @@ _FUSED = {t.name: (f"{t.block}.{t.module}", t.slice) for t in TARGETS if t.name 
 _FUSED_NAMES = {fused.split(".")[1] for fused, _ in _FUSED.values()}
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+_NUMBERED_SHARD = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")
 
 
 class CheckpointError(ValueError):
@@ -109,7 +110,23 @@ def _weight_files(path: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"no *.safetensors in {path} (PyTorch .bin checkpoints are not "
                               "read: convert them to safetensors)")
+    _check_numbered_shards(path, files)
     return files
+
+
+def _check_numbered_shards(path: Path, files: list[Path]) -> None:
+    """Shards named ``model-00001-of-00004.safetensors`` without their index: one missing
+    would otherwise read as a checkpoint of fewer layers (and be told to set
+    num_hidden_layers to them, a truncated model)."""
+    series = {(m.group(1), len(m.group(2)), m.group(3)) for f in files
+              if (m := _NUMBERED_SHARD.fullmatch(f.name))}
+    for prefix, width, total in series:
+        missing = [name for i in range(1, int(total) + 1)
+                   if not (path / (name := f"{prefix}-{i:0{width}d}-of-{total}.safetensors"))
+                   .is_file()]
+        if missing:
+            raise CheckpointError(f"{path} lacks shards {missing} of its {int(total)} (and "
+                                  "model.safetensors.index.json): download them again")
 
 
 def _open(file: Path):

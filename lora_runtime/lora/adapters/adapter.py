@@ -55,6 +55,8 @@ class LoRAAdapter:
             self.rank_pattern = {}
         if self.alpha_pattern is None:
             self.alpha_pattern = {}
+        if self.base_layers is None:  # likewise no base layer (the save raised on .items())
+            self.base_layers = {}
 
     @property
     def max_rank(self) -> int:
@@ -65,7 +67,9 @@ class LoRAAdapter:
         return {t for _, t in self.modules}
 
     def to(self, dtype: torch.dtype) -> LoRAAdapter:
-        mods = {k: ModuleLoRA(m.a.to(dtype), m.b.to(dtype), m.scaling)
+        # Detached: tensors of a model in training (nn.Parameter) made the slot image an
+        # autograd result that kept them alive beside it (the weights held twice).
+        mods = {k: ModuleLoRA(m.a.detach().to(dtype), m.b.detach().to(dtype), m.scaling)
                 for k, m in self.modules.items()}
         return LoRAAdapter(self.name, mods, self.r, self.alpha, self.use_rslora,
                            self.target_modules, dict(self.rank_pattern), dict(self.alpha_pattern),

@@ -114,7 +114,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoRAAdapter:
             raise AdapterError(f"{where}: lora_A {tuple(a.shape)} has rank {a.shape[0]} but "
                                f"lora_B {tuple(b.shape)} has rank {b.shape[1]} (a corrupt or "
                                "hand-edited file): save the adapter again")
-        if a.shape[0] != mod_r:
+        if a.shape[0] != mod_r and not _tied_to_embedding(cfg, mk, a, pairs):
             raise AdapterError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} have "
                                f"rank {a.shape[0]}, but {CONFIG} gives this module rank {mod_r}: "
                                "set r, or a rank_pattern entry for it, to the weights' rank")
@@ -391,6 +391,15 @@ def _parse_key(key: str, path: Path) -> tuple[ModuleKey, str]:
                            "supported (retrain with bias='none' and lora_bias=False)")
     raise AdapterError(f"{path / WEIGHTS}: unrecognised key {key!r} (not a LoRA weight of a "
                        "Llama module)")
+
+
+def _tied_to_embedding(cfg: dict, mk: ModuleKey, a: torch.Tensor, pairs: dict) -> bool:
+    """Whether ``mk`` is lm_head holding the embedding's LoRA, as PEFT ties it under
+    ``ensure_weight_tying`` (lora_A = B_emb^T: the embedding's rank) while scaling it by
+    lm_head's own configured rank (a rank_pattern on one of the pair makes them differ)."""
+    emb = pairs.get((None, "embed_tokens"), {}).get("A")
+    return (bool(cfg.get("ensure_weight_tying")) and mk == (None, "lm_head")
+            and emb is not None and emb.dim() == 2 and a.shape[0] == emb.shape[0])
 
 
 def _embedding_layout(key: str, mk: ModuleKey, ab: str, t: torch.Tensor

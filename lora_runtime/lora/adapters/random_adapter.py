@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lora_runtime.checks import is_int
 from lora_runtime.lora.adapters.adapter import (
     LINEAR_TARGETS,
     LoRAAdapter,
@@ -29,9 +30,10 @@ def random_adapter(
     b_std: float = 0.02,
     dtype: torch.dtype = torch.float32,
 ) -> LoRAAdapter:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not is_int(rank) or rank < 1:
         # rank 0 divided by zero computing the scaling; a float rank failed inside randn
         raise ValueError(f"random_adapter({name!r}): rank must be an integer >= 1, got {rank!r}")
+    rank = int(rank)  # a numpy one (np.max of ranks), as LoRAConfig keeps it
     if isinstance(targets, str):  # read letter by letter: "unknown target module 'q'"
         raise ValueError(f"random_adapter({name!r}): targets must be a sequence of module "
                          f"names, got {targets!r}; write ({targets!r},)")
