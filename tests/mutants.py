@@ -555,7 +555,8 @@ MUTANTS = [
     Mutant("fractional_token_budget",
            "a request takes a fractional max_new_tokens (its KV budget over-commits the cache)",
            "lora_runtime/engine/requests.py",
-           (("    if not is_int(value) or value < 1:\n        raise ValueError(f\"{call}max_new_tokens",
+           (("    if not is_int(value) or value < 1:\n"
+             "        raise ValueError(f\"{call}max_new_tokens",
              "    if value < 1:\n        raise ValueError(f\"{call}max_new_tokens"),),
            ("tests/test_engine_limits.py::test_bad_requests_are_refused_and_the_others_served",)),
     Mutant("failed_warm_up_keeps_requests",

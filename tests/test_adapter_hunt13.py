@@ -15,24 +15,19 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from peft_parity import assert_serves_peft_logits, save_random_lora
 from runtime_helpers import make_runtime
 from safetensors.torch import save_file
 from test_checkpoint_errors import _tensors, _write
 
-from lora_runtime.engine.kv_cache import KVCache
-from lora_runtime.engine.model_runner import ModelRunner
-from lora_runtime.engine.requests import Request, build_extend, release
 from lora_runtime.lora.adapters import (
     ModuleLoRA,
     load_peft_adapter,
     random_adapter,
     save_peft_adapter,
 )
-from lora_runtime.lora.lora_config import LoRAConfig
-from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.model.checkpoint import CheckpointError, load_hf_llama
 from lora_runtime.model.config import tiny
-from lora_runtime.model.modules import BY_NAME
 
 CPU = torch.device("cpu")
 
@@ -57,23 +52,8 @@ def test_a_tied_lm_head_lora_with_a_rank_pattern_gives_peft_s_logits(tmp_path, t
     pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=targets, ensure_weight_tying=True,
         rank_pattern=rank_pattern)).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3)
-    pm.save_pretrained(tmp_path / "ad")
-    ours = LoRAManager(load_hf_llama(tmp_path / "base", torch.float32, CPU),
-                       LoRAConfig(1, 4, tuple(BY_NAME), "torch"))
-    ours.load_adapter("a", tmp_path / "ad")
-    runner = ModelRunner(ours.model, KVCache(ours.model.config, 64, torch.float32, CPU), ours)
-    prompts = [[3, 17, 99, 5], [64, 2, 127, 8, 40, 1]]
-    reqs = [Request(p, "a", 1) for p in prompts]
-    got = runner.forward_eager(build_extend(reqs, runner.kv, CPU))
-    release(reqs, runner.kv)
-    with torch.no_grad():
-        want = torch.stack([pm(torch.tensor([p])).logits[0, -1] for p in prompts])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    save_random_lora(pm, tmp_path / "ad")
+    ours = assert_serves_peft_logits(pm, tmp_path / "base", tmp_path / "ad", 4)
     save_peft_adapter(ours.adapters["a"], tmp_path / "again")  # scalings kept, as patterns
     back = load_peft_adapter(tmp_path / "again")
     assert {k: m.scaling for k, m in back.modules.items()} == {

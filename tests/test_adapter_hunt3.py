@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from peft_parity import assert_serves_peft_logits, save_random_lora
 from runtime_helpers import make_runtime
 
 from lora_runtime.engine.kv_cache import KVCache
@@ -187,27 +188,10 @@ def hf_base(tmp_path_factory):
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("case", list(PEFT_CONFIGS))
 def test_unusual_peft_configs_give_peft_s_logits(hf_base, case):
-    from lora_runtime.model.checkpoint import load_hf_llama
-    from lora_runtime.model.modules import BY_NAME
 
     peft = pytest.importorskip("peft")
     root, model = hf_base
     pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
         r=4, lora_alpha=8, **PEFT_CONFIGS[case])).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3)
-    pm.save_pretrained(root / case)
-    ours = LoRAManager(load_hf_llama(root / "base", torch.float32, CPU),
-                       LoRAConfig(1, 8, tuple(BY_NAME), "torch"))
-    ours.load_adapter("a", root / case)
-    runner = ModelRunner(ours.model, KVCache(ours.model.config, 64, torch.float32, CPU), ours)
-    prompts = [[3, 17, 99, 5], [64, 2, 127, 8, 40, 1]]
-    reqs = [Request(p, "a", 1) for p in prompts]
-    got = runner.forward_eager(build_extend(reqs, runner.kv, CPU))
-    release(reqs, runner.kv)
-    with torch.no_grad():
-        want = torch.stack([pm(torch.tensor([p])).logits[0, -1] for p in prompts])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=case)
+    save_random_lora(pm, root / case)
+    assert_serves_peft_logits(pm, root / "base", root / case, 8, msg=case)

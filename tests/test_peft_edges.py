@@ -14,9 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lora_runtime.engine.kv_cache import KVCache  # noqa: E402
-from lora_runtime.engine.model_runner import ModelRunner  # noqa: E402
-from lora_runtime.engine.requests import Request, build_extend, release  # noqa: E402
+from peft_parity import assert_serves_peft_logits, save_random_lora  # noqa: E402
+
 from lora_runtime.lora.adapters import AdapterError  # noqa: E402
 from lora_runtime.lora.lora_config import LoRAConfig  # noqa: E402
 from lora_runtime.lora.manager import LoRAManager  # noqa: E402
@@ -57,23 +56,8 @@ def test_target_parameters_adapter_gives_peft_s_logits(base, case):
     root, model = base
     pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=[], **CONFIGS[case])).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3)
-    pm.save_pretrained(root / case)
-    ours = LoRAManager(load_hf_llama(root / "base", torch.float32, CPU),
-                       LoRAConfig(1, 4, tuple(BY_NAME), "torch"))
-    ours.load_adapter("a", root / case)
-    runner = ModelRunner(ours.model, KVCache(ours.model.config, 64, torch.float32, CPU), ours)
-    prompts = [[3, 17, 99, 5], [64, 2, 127, 8, 40, 1]]
-    reqs = [Request(p, "a", 1) for p in prompts]
-    got = runner.forward_eager(build_extend(reqs, runner.kv, CPU))
-    release(reqs, runner.kv)
-    with torch.no_grad():
-        want = torch.stack([pm(torch.tensor([p])).logits[0, -1] for p in prompts])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    save_random_lora(pm, root / case)
+    assert_serves_peft_logits(pm, root / "base", root / case, 4)
 
 
 def test_a_folder_of_named_adapters_names_its_subfolders(base):
