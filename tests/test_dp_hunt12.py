@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from dp_control_world import _sharded_runner
+from dp_control_world import _sharded_runner, timed
 from dp_world import CONFIG, MAX_RANK, adapters, spawned_logs
 from engine_world import compare_with_alone, run_alone
 from runtime_helpers import ALL_TARGETS, make_runtime
@@ -56,17 +55,6 @@ PIN_SPECS = {0: ([1, 2, 3], "ad1"), 1: ([4, 5], "ad2")}
 PIN_TOKENS = 3
 
 
-def _timed(log: dict, key: str, fn) -> None:
-    """``log[key]``: "ok" or the error ``fn()`` raised, as text; ``log[key + " s"]``: seconds."""
-    t0 = time.monotonic()
-    try:
-        fn()
-        log[key] = "ok"
-    except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
-        log[key] = f"{type(e).__name__}: {e}"
-    log[key + " s"] = time.monotonic() - t0
-
-
 def _unsharded_runner() -> ModelRunner:
     model = LlamaForCausalLM.random(CONFIG, torch.float32, "cpu", seed=0)
     return ModelRunner(model, KVCache(CONFIG, 64, torch.float32, "cpu"), None)
@@ -78,7 +66,7 @@ def _in_a_world(rank: int, out_dir: str, stem: str, scenario) -> None:
     try:
         dp = init_dp(CPU)
         scenario(rank, dp, log)
-        _timed(log, "shutdown", lambda: shutdown(CPU))
+        timed(log, "shutdown", lambda: shutdown(CPU))
     except BaseException:  # noqa: BLE001 (recorded for the test to judge)
         log["error"] = traceback.format_exc()
     torch.save(log, Path(out_dir, f"{stem}{rank}.pt"))
@@ -88,9 +76,9 @@ def _in_a_world(rank: int, out_dir: str, stem: str, scenario) -> None:
 def _refused_on_one_rank(rank: int, dp, log: dict) -> None:
     runner = _sharded_runner(dp)
     # Rank 1 alone passes an unsharded model.
-    _timed(log, "one rank refused", lambda: DPEngine(
+    timed(log, "one rank refused", lambda: DPEngine(
         _unsharded_runner() if rank == 1 else runner, dp, CFG))
-    _timed(log, "after refusal", lambda: DPEngine(runner, dp, CFG).generate(
+    timed(log, "after refusal", lambda: DPEngine(runner, dp, CFG).generate(
         [[1, 2, 3 + rank]], [None], 2))
 
 
@@ -98,11 +86,11 @@ def _other_warm_ups(rank: int, dp, log: dict) -> None:
     eng = DPEngine(_sharded_runner(dp), dp, CFG)
     for ad in adapters(2):
         eng.load_adapter(ad.name, ad)
-    _timed(log, "other warm-ups", lambda: eng.warm_up(WARM_UP_ADAPTERS[rank]))
+    timed(log, "other warm-ups", lambda: eng.warm_up(WARM_UP_ADAPTERS[rank]))
     log["queued after"] = eng.has_work
-    _timed(log, "after warm-up", lambda: eng.generate([[4, 5 + rank]], ["ad1"], 2))
-    _timed(log, "same warm-ups", lambda: eng.warm_up(["ad0", None]))
-    _timed(log, "serving", lambda: eng.generate([[6, 7 + rank]], ["ad0"], 3))
+    timed(log, "after warm-up", lambda: eng.generate([[4, 5 + rank]], ["ad1"], 2))
+    timed(log, "same warm-ups", lambda: eng.warm_up(["ad0", None]))
+    timed(log, "serving", lambda: eng.generate([[6, 7 + rank]], ["ad0"], 3))
 
 
 def _pin_undone(rank: int, dp, log: dict) -> None:
@@ -113,10 +101,10 @@ def _pin_undone(rank: int, dp, log: dict) -> None:
     req = eng.add_request(prompt, name, max_new_tokens=PIN_TOKENS)
     if rank == 0:
         eng.pin_adapter("ad3")  # on this rank alone: it takes a slot here only
-    _timed(log, "one rank pins", eng.step)
+    timed(log, "one rank pins", eng.step)
     if rank == 0:
         eng.pin_adapter("ad3", False)  # undone
-    _timed(log, "unpinned", eng.run)
+    timed(log, "unpinned", eng.run)
     log["output"] = (prompt, name, list(req.output),
                      [t.clone() for t in eng.logits.get(req.id, [])])
 
@@ -129,25 +117,25 @@ def callers_world_rank(rank: int, out_dir: str) -> None:
     log: dict = {}
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        _timed(log, "shutdown before init_dp", lambda: shutdown(CPU))
+        timed(log, "shutdown before init_dp", lambda: shutdown(CPU))
         dp = init_dp(CPU)
         runner = _sharded_runner(dp)
         prompts = [[1, 2, 3 + rank]]
         log["served"] = DPEngine(runner, dp, CFG).generate(prompts, [None], 3)
-        _timed(log, "shutdown", lambda: shutdown(CPU))
-        _timed(log, "shutdown again", lambda: shutdown(CPU))
+        timed(log, "shutdown", lambda: shutdown(CPU))
+        timed(log, "shutdown again", lambda: shutdown(CPU))
         t = torch.tensor([rank + 1.0])
-        _timed(log, "callers all_reduce", lambda: dist.all_reduce(t))
+        timed(log, "callers all_reduce", lambda: dist.all_reduce(t))
         log["sum"] = t.item()
         # The same model (sharded over the first group) served in a new DP group.
         dp = init_dp(CPU)
-        _timed(log, "model reused", lambda: log.__setitem__(
+        timed(log, "model reused", lambda: log.__setitem__(
             "served again", DPEngine(runner, dp, CFG).generate(prompts, [None], 3)))
-        _timed(log, "shutdown after reuse", lambda: shutdown(CPU))
+        timed(log, "shutdown after reuse", lambda: shutdown(CPU))
         dp = init_dp(CPU)  # before a graph capture: shard_mlp points the model at the group
-        _timed(log, "sharded again", lambda: shard_mlp(runner.model, dp))
+        timed(log, "sharded again", lambda: shard_mlp(runner.model, dp))
         log["model's group"] = runner.dp is dp
-        _timed(log, "last shutdown", lambda: shutdown(CPU))
+        timed(log, "last shutdown", lambda: shutdown(CPU))
     except BaseException:  # noqa: BLE001 (recorded for the test to judge)
         log["error"] = traceback.format_exc()
     torch.save(log, Path(out_dir, f"caller{rank}.pt"))
